@@ -1,0 +1,1 @@
+"""Pure decision code: guards over a node snapshot. Never imports nodeagent.host."""
