@@ -1,0 +1,399 @@
+"""PeermemGate: where the agent decides to load or unload ``nvidia_peermem``.
+
+``nvidia_peermem`` binds the GPU driver to the RDMA core (``ib_core``'s
+peer-memory API). Loaded against an RDMA stack that is mid-``openibd restart``,
+or built against another ``ib_core`` than the one loaded, the kernel refuses it
+with ``EINVAL`` and the GPU driver pod crash-loops (seeds 000-002). The gate
+opens only when the evidence says the stack under it is the final one:
+
+1. ``nvidia`` is loaded and live;
+2. the MOFED ready flag exists and was (re)created after the agent last saw a
+   MOFED restart (flag removed, blacklist written, ``mlx5_core`` leaving);
+3. MOFED's ``blacklist-ofed-modules.conf`` is absent (present = mid-restart);
+4. ``mlx5_core``, ``mlx5_ib``, ``ib_core``, ``ib_uverbs`` are loaded and live;
+5. each of those is the module on disk (srcversion, else GNU build-id);
+6. the symbol CRCs ``nvidia_peermem.ko`` needs match those its loaded
+   providers export (the ABI preflight), where both can be read.
+
+Host-MOFED mode (no MOFED container) skips 2 and 3.
+
+Actions: gate open + peermem absent -> load it from the GPU driver root; a MOFED
+restart seen + peermem loaded with refcnt 0 -> unload it at once so
+``openibd restart`` does not fail on it. Failed loads back off exponentially.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
+from nodeagent.core.snapshot import DiskModule, FileId, LoadedModule, NodeSnapshot
+
+PEERMEM = "nvidia_peermem"
+NVIDIA = "nvidia"
+RDMA_STACK: tuple[str, ...] = ("mlx5_core", "mlx5_ib", "ib_core", "ib_uverbs")
+
+MofedMode = Literal["container", "host"]
+
+
+@dataclass(frozen=True)
+class PeermemPolicy:
+    mofed: MofedMode = "container"
+    rdma_stack: tuple[str, ...] = RDMA_STACK
+    load_params: tuple[str, ...] = ()
+    retry_base_s: float = 5.0
+    retry_max_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class PeermemMemory:
+    # A MOFED restart was seen and no fresh ready flag has appeared since.
+    restart_pending: bool = False
+    # The flag incarnation present when the restart was seen: it is stale.
+    stale_flag: FileId | None = None
+    failures: int = 0
+    retry_at: float | None = None
+    last_error: str | None = None
+    # The restart signals of the last pass, to report a restart once, when it begins.
+    last_signals: tuple[str, ...] = ()
+
+
+def _fmt_identity(mod: LoadedModule | DiskModule, kind: str) -> str:
+    value = mod.srcversion if kind == "srcversion" else mod.build_id
+    return f"{kind} {value}" if value else f"no {kind}"
+
+
+def identity_mismatch(loaded: LoadedModule, disk: DiskModule) -> str | None:
+    """None when the loaded module is the file on disk; else the reason, naming both identities."""
+    if disk.path is None:
+        return (
+            f"{loaded.name}: no module file on disk to compare with ({disk.problem or 'not found'})"
+        )
+    if disk.problem:
+        return f"{loaded.name}: cannot read {disk.path}: {disk.problem}"
+    # srcversion is the stronger identity (MOFED itself compares it); build-id
+    # covers kernels that set no srcversion on in-tree modules (Debian).
+    for kind in ("srcversion", "build_id"):
+        have = getattr(loaded, kind)
+        want = getattr(disk, kind)
+        if have and want:
+            if have == want:
+                return None
+            label = "build-id" if kind == "build_id" else kind
+            return (
+                f"{loaded.name}: the loaded module ({label} {have}) is not the one on disk "
+                f"at {disk.path} ({label} {want})"
+            )
+    return (
+        f"{loaded.name}: cannot tell whether the loaded module is the one at {disk.path}: "
+        f"loaded has {_fmt_identity(loaded, 'srcversion')}, {_fmt_identity(loaded, 'build_id')}; "
+        f"file has {_fmt_identity(disk, 'srcversion')}, {_fmt_identity(disk, 'build_id')}"
+    )
+
+
+def abi_mismatches(snap: NodeSnapshot) -> tuple[list[str], dict[str, Any]]:
+    """Compare the CRCs nvidia_peermem.ko requires with those its loaded providers export.
+
+    A provider is only trusted when its loaded identity matches the file the
+    CRCs were read from; otherwise the check is reported as not possible.
+    """
+    peermem = snap.disk_module(PEERMEM)
+    evidence: dict[str, Any] = {"checked": [], "unverifiable": []}
+    reasons: list[str] = []
+    if peermem.path is None or peermem.problem or not peermem.required_crcs:
+        evidence["unverifiable"].append(
+            f"{PEERMEM}.ko: " + (peermem.problem or "no __versions CRCs to check")
+        )
+        return reasons, evidence
+    for provider_name in peermem.depends:
+        provider = snap.disk_module(provider_name)
+        loaded = snap.module(provider_name)
+        if loaded is None:
+            continue  # condition 4 (or nvidia's condition 1) already speaks for it
+        if provider.path is None or provider.problem:
+            evidence["unverifiable"].append(
+                f"{provider_name}: {provider.problem or 'no module file found'}"
+            )
+            continue
+        if identity_mismatch(loaded, provider) is not None:
+            evidence["unverifiable"].append(
+                f"{provider_name}: loaded module is not {provider.path}, its CRCs are unknown"
+            )
+            continue
+        for symbol, need in sorted(peermem.required_crcs.items()):
+            have = provider.exported_crcs.get(symbol)
+            if have is None:
+                continue
+            evidence["checked"].append(symbol)
+            if have != need:
+                reasons.append(
+                    f"{PEERMEM} needs {symbol} CRC {need:#010x} "
+                    f"but the loaded {provider_name} exports {have:#010x}"
+                )
+    return reasons, evidence
+
+
+class PeermemGate:
+    name = "peermem"
+
+    def __init__(self, policy: PeermemPolicy | None = None) -> None:
+        self.policy = policy or PeermemPolicy()
+
+    # -- memory -------------------------------------------------------------
+
+    def initial_memory(self) -> PeermemMemory:
+        return PeermemMemory()
+
+    def memory_to_json(self, memory: PeermemMemory) -> dict[str, Any]:
+        stale = memory.stale_flag
+        return {
+            "restart_pending": memory.restart_pending,
+            "stale_flag": None if stale is None else [stale.inode, stale.mtime_ns, stale.ctime_ns],
+            "failures": memory.failures,
+            "retry_at": memory.retry_at,
+            "last_error": memory.last_error,
+            "last_signals": list(memory.last_signals),
+        }
+
+    def memory_from_json(self, data: Mapping[str, Any]) -> PeermemMemory:
+        try:
+            stale = data.get("stale_flag")
+            if stale is not None:
+                inode, mtime_ns, ctime_ns = (int(x) for x in stale)
+                stale = FileId(inode, mtime_ns, ctime_ns)
+            retry_at = data.get("retry_at")
+            last_error = data.get("last_error")
+            signals = data.get("last_signals", [])
+            if not isinstance(data.get("restart_pending", False), bool):
+                raise ValueError("restart_pending is not a boolean")
+            if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
+                raise ValueError("last_signals is not a list of strings")
+            if last_error is not None and not isinstance(last_error, str):
+                raise ValueError("last_error is not a string")
+            return PeermemMemory(
+                restart_pending=data.get("restart_pending", False),
+                stale_flag=stale,
+                failures=int(data.get("failures", 0)),
+                retry_at=None if retry_at is None else float(retry_at),
+                last_error=last_error,
+                last_signals=tuple(signals),
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"peermem memory is malformed: {exc}") from None
+
+    # -- the decision ---------------------------------------------------------
+
+    def restart_signals(self, snap: NodeSnapshot) -> tuple[str, ...]:
+        """Evidence that MOFED is restarting the RDMA stack right now."""
+        signals = []
+        if self.policy.mofed == "container":
+            if not snap.mofed_ready.present:
+                signals.append("MOFED ready flag absent")
+            if snap.mofed_blacklist.present:
+                signals.append("MOFED blacklist file present (openibd restart in progress)")
+        mlx5 = snap.module("mlx5_core")
+        if mlx5 is None:
+            signals.append("mlx5_core not loaded")
+        elif mlx5.initstate == "going":
+            signals.append("mlx5_core unloading")
+        return tuple(signals)
+
+    def decide(self, snap: NodeSnapshot, memory: PeermemMemory) -> GuardDecision[PeermemMemory]:
+        pol = self.policy
+        events: list[str] = []
+        evidence: dict[str, Any] = {"mofed_mode": pol.mofed}
+        reasons: list[str] = []
+
+        # Memory first: a restart seen now makes the current ready flag stale.
+        signals = self.restart_signals(snap)
+        restart_began = bool(signals) and not memory.last_signals
+        if signals:
+            if restart_began:
+                events.append("MOFED restart began: " + "; ".join(signals))
+            flag = snap.mofed_ready.ident if snap.mofed_ready.present else None
+            memory = replace(
+                memory,
+                restart_pending=True,
+                stale_flag=flag,
+                # A new RDMA generation: earlier load failures say nothing about it.
+                failures=0,
+                retry_at=None,
+            )
+        elif memory.restart_pending and pol.mofed == "container":
+            if snap.mofed_ready.present and snap.mofed_ready.ident != memory.stale_flag:
+                memory = replace(memory, restart_pending=False, stale_flag=None)
+                events.append("MOFED ready flag (re)created after the restart")
+        elif memory.restart_pending:
+            memory = replace(memory, restart_pending=False, stale_flag=None)
+        memory = replace(memory, last_signals=signals)
+
+        # 1. nvidia
+        nvidia = snap.module(NVIDIA)
+        evidence["nvidia"] = _module_evidence(nvidia)
+        if nvidia is None:
+            reasons.append("nvidia is not loaded")
+        elif not nvidia.live:
+            reasons.append(f"nvidia is not live (initstate {nvidia.initstate or 'unreadable'})")
+
+        # 2, 3. the MOFED container's own markers
+        if pol.mofed == "container":
+            ready = snap.mofed_ready
+            evidence["mofed_ready_flag"] = {
+                "path": ready.path,
+                "present": ready.present,
+                "stale": memory.restart_pending and ready.present,
+            }
+            if not ready.present:
+                reasons.append(
+                    f"MOFED ready flag {ready.path} is absent"
+                    + (f" ({ready.problem})" if ready.problem else "")
+                )
+            elif memory.restart_pending:
+                reasons.append(
+                    f"MOFED ready flag {ready.path} is stale: it predates the last MOFED restart "
+                    "the agent saw"
+                )
+            bl = snap.mofed_blacklist
+            evidence["mofed_blacklist"] = {"path": bl.path, "present": bl.present}
+            if bl.present:
+                reasons.append(f"MOFED is restarting openibd ({bl.path} exists)")
+
+        # 4, 5. the RDMA stack, live and the one on disk
+        stack_ev: dict[str, Any] = {}
+        for name in pol.rdma_stack:
+            loaded = snap.module(name)
+            disk = snap.disk_module(name)
+            stack_ev[name] = {**_module_evidence(loaded), "disk": _disk_evidence(disk)}
+            if loaded is None:
+                reasons.append(f"{name} is not loaded")
+                continue
+            if not loaded.live:
+                reasons.append(f"{name} is not live (initstate {loaded.initstate or 'unreadable'})")
+                continue
+            mismatch = identity_mismatch(loaded, disk)
+            if mismatch:
+                reasons.append(mismatch)
+        evidence["rdma_stack"] = stack_ev
+
+        # 6. ABI preflight: only meaningful once the stack is otherwise right.
+        abi_reasons, abi_ev = abi_mismatches(snap)
+        evidence["abi"] = abi_ev
+        reasons.extend(abi_reasons)
+
+        verdict = Verdict(
+            guard=self.name,
+            verdict="closed" if reasons else "open",
+            reasons=tuple(reasons),
+            evidence=evidence,
+        )
+
+        actions, wake_at, more_events = self._actions(snap, memory, verdict, signals, restart_began)
+        events.extend(more_events)
+        evidence["peermem"] = {
+            **_module_evidence(snap.module(PEERMEM)),
+            "disk": _disk_evidence(snap.disk_module(PEERMEM)),
+            "failures": memory.failures,
+            "retry_at": memory.retry_at,
+            "last_error": memory.last_error,
+        }
+        return GuardDecision(
+            verdict=verdict, actions=actions, memory=memory, events=tuple(events), wake_at=wake_at
+        )
+
+    def _actions(
+        self,
+        snap: NodeSnapshot,
+        memory: PeermemMemory,
+        verdict: Verdict,
+        signals: tuple[str, ...],
+        restart_began: bool,
+    ) -> tuple[tuple[LoadModuleFile | UnloadModule, ...], float | None, list[str]]:
+        peermem = snap.module(PEERMEM)
+        events: list[str] = []
+        if signals:
+            if peermem is None or peermem.initstate == "going":
+                return (), None, events
+            if peermem.refcnt == 0:
+                return (
+                    (
+                        UnloadModule(
+                            guard=self.name,
+                            module=PEERMEM,
+                            reason="MOFED restart began (" + "; ".join(signals) + "): "
+                            "unloading nvidia_peermem so openibd restart can unload ib_core",
+                        ),
+                    ),
+                    None,
+                    events,
+                )
+            if restart_began:
+                holders = ", ".join(peermem.holders) or "no module holders"
+                events.append(
+                    f"nvidia_peermem is in use (refcnt {peermem.refcnt}, {holders}); not "
+                    "unloading it: openibd restart will fail until its users stop"
+                )
+            return (), None, events
+
+        if not verdict.is_open or peermem is not None:
+            return (), None, events
+        if memory.retry_at is not None and snap.now < memory.retry_at:
+            return (), memory.retry_at, events
+        disk = snap.disk_module(PEERMEM)
+        if disk.path is None or disk.problem:
+            if memory.last_error is None:
+                events.append(
+                    "gate open but nvidia_peermem.ko cannot be loaded: "
+                    + (disk.problem or "no module file found")
+                )
+            return (), None, events
+        load = LoadModuleFile(
+            guard=self.name,
+            module=PEERMEM,
+            path=disk.path,
+            params=self.policy.load_params,
+            reason="peermem gate open: the RDMA stack under it is loaded, live and final",
+        )
+        return (load,), None, events
+
+    def absorb(self, memory: PeermemMemory, outcome: ActionOutcome, now: float) -> PeermemMemory:
+        if not outcome.performed or not isinstance(outcome.action, LoadModuleFile):
+            return memory
+        if outcome.ok:
+            return replace(memory, failures=0, retry_at=None, last_error=None)
+        failures = memory.failures + 1
+        delay = backoff_delay(failures, self.policy.retry_base_s, self.policy.retry_max_s)
+        error = outcome.error or "load failed"
+        if outcome.kernel_messages:
+            error += " — kernel: " + " | ".join(outcome.kernel_messages[-4:])
+        return replace(memory, failures=failures, retry_at=now + delay, last_error=error)
+
+
+def _module_evidence(mod: LoadedModule | None) -> dict[str, Any]:
+    if mod is None:
+        return {"loaded": False}
+    ev: dict[str, Any] = {
+        "loaded": True,
+        "initstate": mod.initstate,
+        "refcnt": mod.refcnt,
+        "srcversion": mod.srcversion,
+        "build_id": mod.build_id,
+    }
+    if mod.holders:
+        ev["holders"] = list(mod.holders)
+    if mod.problems:
+        ev["problems"] = list(mod.problems)
+    return ev
+
+
+def _disk_evidence(disk: DiskModule) -> dict[str, Any]:
+    ev: dict[str, Any] = {
+        "path": disk.path,
+        "srcversion": disk.srcversion,
+        "build_id": disk.build_id,
+    }
+    if disk.problem:
+        ev["problem"] = disk.problem
+    return ev

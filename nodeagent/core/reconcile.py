@@ -1,0 +1,94 @@
+"""Run every guard over one snapshot; feed action outcomes back to their guards.
+
+Pure, like the guards: the agent loop (nodeagent.agent) supplies snapshots and
+carries out the actions. Adding a guard means adding it to the list given to
+``Reconciler``; nothing here knows what a guard is about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nodeagent.core.actions import Action, ActionOutcome
+from nodeagent.core.guard import Guard, Verdict
+from nodeagent.core.snapshot import NodeSnapshot
+
+AgentMemory = Mapping[str, Any]  # guard name -> that guard's memory value
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    verdicts: Mapping[str, Verdict]
+    actions: tuple[Action, ...]
+    memory: AgentMemory
+    events: tuple[tuple[str, str], ...]  # (guard, event)
+    wake_at: float | None
+
+
+class Reconciler:
+    def __init__(self, guards: Sequence[Guard[Any]]) -> None:
+        names = [g.name for g in guards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate guard names: {names}")
+        self.guards = {g.name: g for g in guards}
+
+    def initial_memory(self) -> AgentMemory:
+        return {name: g.initial_memory() for name, g in self.guards.items()}
+
+    def decide(self, snap: NodeSnapshot, memory: AgentMemory) -> Reconciliation:
+        verdicts: dict[str, Verdict] = {}
+        actions: list[Action] = []
+        new_memory: dict[str, Any] = {}
+        events: list[tuple[str, str]] = []
+        wake: list[float] = []
+        for name, guard in self.guards.items():
+            mem = memory.get(name)
+            if mem is None:
+                mem = guard.initial_memory()
+            d = guard.decide(snap, mem)
+            verdicts[name] = d.verdict
+            actions.extend(d.actions)
+            new_memory[name] = d.memory
+            events.extend((name, e) for e in d.events)
+            if d.wake_at is not None:
+                wake.append(d.wake_at)
+        return Reconciliation(
+            verdicts=verdicts,
+            actions=tuple(actions),
+            memory=new_memory,
+            events=tuple(events),
+            wake_at=min(wake) if wake else None,
+        )
+
+    def absorb(
+        self, memory: AgentMemory, outcomes: Sequence[ActionOutcome], now: float
+    ) -> AgentMemory:
+        out = dict(memory)
+        for outcome in outcomes:
+            guard = self.guards.get(outcome.action.guard)
+            if guard is not None:
+                out[guard.name] = guard.absorb(out[guard.name], outcome, now)
+        return out
+
+    def memory_to_json(self, memory: AgentMemory) -> dict[str, Any]:
+        return {name: g.memory_to_json(memory[name]) for name, g in self.guards.items()}
+
+    def memory_from_json(self, data: Mapping[str, Any]) -> tuple[AgentMemory, list[str]]:
+        """Memory per guard; a guard whose saved memory is bad starts fresh (reported)."""
+        memory: dict[str, Any] = {}
+        problems: list[str] = []
+        for name, guard in self.guards.items():
+            raw = data.get(name)
+            if raw is None:
+                memory[name] = guard.initial_memory()
+                continue
+            try:
+                if not isinstance(raw, Mapping):
+                    raise ValueError(f"{name} memory is not an object")
+                memory[name] = guard.memory_from_json(raw)
+            except ValueError as exc:
+                problems.append(str(exc))
+                memory[name] = guard.initial_memory()
+        return memory, problems
