@@ -1,0 +1,234 @@
+"""The reconcile loop: wake -> observe -> guards decide -> act -> record.
+
+Level-triggered: a wake-up only says "look again"; each pass reads the whole
+node, so a missed event, an agent restart or a crash costs one pass. Guard
+memory is persisted after every pass, so a restarted agent knows, for
+example, that the ready flag it sees predates a MOFED restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nodeagent import __version__
+from nodeagent.config import Config
+from nodeagent.core.actions import ActionOutcome
+from nodeagent.core.guard import Verdict
+from nodeagent.core.peermem import PeermemGate
+from nodeagent.core.reconcile import AgentMemory, Reconciler
+from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
+from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.kmod import ModuleOps, default_module_ops
+from nodeagent.host.observe import Observer
+from nodeagent.host.state import StateStore
+from nodeagent.timeline import Timeline
+
+log = logging.getLogger("nodeagent")
+
+
+def build_reconciler(cfg: Config) -> Reconciler:
+    return Reconciler([PeermemGate(cfg.peermem)])
+
+
+@dataclass(frozen=True)
+class PassResult:
+    snapshot: NodeSnapshot
+    verdicts: dict[str, Verdict]
+    outcomes: tuple[ActionOutcome, ...]
+    wake_at: float | None
+
+
+class Agent:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        module_ops: ModuleOps | None = None,
+        kernel_log: KernelLog | None = None,
+        wake_sources: Sequence[WakeSource] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.host = HostRoot(cfg.host_root)
+        self.clock = clock
+        self.observer = Observer(self.host, cfg)
+        self.reconciler = build_reconciler(cfg)
+        self.actuator = Actuator(
+            self.host, module_ops or default_module_ops(), kernel_log or kmsg_reader(cfg.kmsg)
+        )
+        self.state = StateStore(self.host, cfg.paths.state_dir)
+        self.timeline = Timeline(
+            self.host, cfg.paths.timeline_dir, cfg.timeline_max_bytes, cfg.timeline_keep
+        )
+        self.extra_sources = list(wake_sources)
+        self.poke = Poke()
+        self.stopping = threading.Event()
+        self.memory: AgentMemory
+        self.memory, problems = self.state.load_memory(self.reconciler)
+        for p in problems:
+            log.warning(p)
+            self.record({"kind": "state-problem", "problem": p})
+        self._last_signature: Any = None
+        self.passes = 0
+        self._pass_done = threading.Condition()
+
+    # -- recording ------------------------------------------------------------
+
+    def record(self, rec: dict[str, Any]) -> None:
+        rec = {"ts": round(self.clock(), 6), **rec}
+        try:
+            self.timeline.append(rec)
+        except OSError as exc:
+            log.error("timeline write failed: %s", exc.strerror)
+        log.info(rec.get("kind", "record"), extra={"record": rec})
+
+    # -- one pass -------------------------------------------------------------
+
+    def run_pass(self, woken_by: Sequence[str] = ()) -> PassResult:
+        now = self.clock()
+        snap = self.observer.observe(now)
+        rec = self.reconciler.decide(snap, self.memory)
+        memory = rec.memory
+        enforce = self.cfg.mode == "enforce"
+        outcomes: list[ActionOutcome] = []
+        for action in rec.actions:
+            if enforce:
+                outcome = self.actuator.perform(action)
+            else:
+                outcome = ActionOutcome(action=action, ok=True, performed=False)
+            outcomes.append(outcome)
+        memory = self.reconciler.absorb(memory, outcomes, self.clock())
+
+        signature = (
+            tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
+            tuple(a.describe() for a in rec.actions),
+        )
+        if signature != self._last_signature or rec.events or outcomes:
+            for guard, verdict in rec.verdicts.items():
+                self.record(
+                    {
+                        "kind": "decision",
+                        "guard": guard,
+                        "verdict": verdict.verdict,
+                        "reasons": list(verdict.reasons),
+                        "events": [e for g, e in rec.events if g == guard],
+                        "actions": [a.describe() for a in rec.actions if a.guard == guard],
+                        "mode": self.cfg.mode,
+                        "woken_by": list(woken_by)[:8],
+                        "kernel": snap.kernel,
+                        "evidence": verdict.evidence,
+                    }
+                )
+            self._last_signature = signature
+        for o in outcomes:
+            self.record(
+                {
+                    "kind": "action",
+                    "guard": o.action.guard,
+                    "action": o.action.describe(),
+                    "reason": o.action.reason,
+                    "performed": o.performed,
+                    "ok": o.ok,
+                    "errno": o.errno,
+                    "error": o.error,
+                    "kernel_messages": list(o.kernel_messages),
+                }
+            )
+
+        self.memory = memory
+        try:
+            self.state.save_memory(self.reconciler, memory)
+            self.state.publish(
+                self.status_document(snap, rec.verdicts, outcomes),
+                {g: v.is_open for g, v in rec.verdicts.items()},
+            )
+        except OSError as exc:
+            log.error("state write failed: %s", exc)
+        with self._pass_done:
+            self.passes += 1
+            self._pass_done.notify_all()
+        return PassResult(snap, dict(rec.verdicts), tuple(outcomes), rec.wake_at)
+
+    def status_document(
+        self,
+        snap: NodeSnapshot,
+        verdicts: dict[str, Verdict],
+        outcomes: Sequence[ActionOutcome],
+    ) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "time": snap.now,
+            "mode": self.cfg.mode,
+            "kernel": snap.kernel,
+            "problems": list(snap.problems),
+            "guards": {g: v.to_json() for g, v in verdicts.items()},
+            "last_actions": [
+                {
+                    "action": o.action.describe(),
+                    "performed": o.performed,
+                    "ok": o.ok,
+                    "error": o.error,
+                }
+                for o in outcomes
+            ],
+        }
+
+    def wait_for_passes(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` passes have completed (for tests and the simulator)."""
+        with self._pass_done:
+            return self._pass_done.wait_for(lambda: self.passes >= count, timeout)
+
+    # -- the loop -------------------------------------------------------------
+
+    def watched_dirs(self) -> list[str]:
+        """Where the markers live; sysfs emits no inotify events (uevents + resync cover it)."""
+        p = self.cfg.paths
+        dirs = {str(Path(f).parent) for f in (p.mofed_ready, p.mofed_lock, p.mofed_blacklist)}
+        return sorted(dirs | {p.validations})
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.poke.poke("stop")
+
+    def run(self, once: bool = False) -> None:
+        if once:
+            self.run_pass(["once"])
+            return
+        root = self.host.root
+        watch = FileWatch(root, [self.host.path(d) for d in self.watched_dirs()], self.poke)
+        sources: list[WakeSource] = [self.poke, *self.extra_sources]
+        if self.cfg.uevents:
+            try:
+                sources.append(UeventSource())
+            except Exception as exc:  # no libudev, no netlink permission: inotify + resync remain
+                log.warning("kernel uevents unavailable (%s); relying on inotify and resync", exc)
+        waker = Waker(sources)
+        self.record({"kind": "start", "mode": self.cfg.mode, "host_root": str(root)})
+        try:
+            woken_by = ["start"]
+            next_resync = self.clock() + self.cfg.resync_seconds
+            while not self.stopping.is_set():
+                wake_at: float | None = None
+                try:
+                    wake_at = self.run_pass(woken_by).wake_at
+                    watch.refresh()
+                except Exception as exc:  # one bad pass must not take the node's agent down
+                    log.exception("pass failed: %s", exc)
+                    self.record({"kind": "pass-error", "error": f"{type(exc).__name__}: {exc}"})
+                    wake_at = self.clock() + min(5.0, self.cfg.resync_seconds)
+                now = self.clock()
+                if now >= next_resync:
+                    next_resync = now + self.cfg.resync_seconds
+                deadline = next_resync if wake_at is None else min(next_resync, wake_at)
+                woken_by = waker.wait(max(0.0, deadline - now))
+        finally:
+            watch.close()
+            self.record({"kind": "stop"})

@@ -1,0 +1,202 @@
+"""Bad input gets a clear one-line error or a closed reason, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nodeagent.agent import Agent, build_reconciler
+from nodeagent.cli import main
+from nodeagent.config import Config, load_config
+from nodeagent.errors import NodeagentError
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.observe import Observer
+from nodeagent.host.state import StateStore
+from nodeagent.timeline import Timeline
+
+BUILD_ID = bytes(range(20))
+
+
+def note(desc: bytes = BUILD_ID) -> bytes:
+    return struct.pack("<III", 4, len(desc), 3) + b"GNU\0" + desc
+
+
+def sysmod(root: Path, name: str, **attrs: str | bytes) -> Path:
+    d = root / "sys/module" / name
+    (d / "holders").mkdir(parents=True, exist_ok=True)
+    for key, value in attrs.items():
+        target = d / ("notes/.note.gnu.build-id" if key == "note" else key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(value if isinstance(value, bytes) else (value + "\n").encode())
+    return d
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
+    return tmp_path
+
+
+def observe(root: Path):
+    return Observer(HostRoot(root), Config(host_root=str(root))).observe(1.0)
+
+
+def test_garbage_sysfs_values_become_named_problems(root: Path) -> None:
+    sysmod(root, "ib_core", initstate="bananas", refcnt="1x", srcversion="not hex!")
+    snap = observe(root)
+    mod = snap.modules["ib_core"]
+    assert mod.initstate is None and mod.refcnt is None and mod.srcversion is None
+    assert "initstate is 'bananas' (expected live, coming or going)" in mod.problems
+    assert "refcnt is '1x' (not a number)" in mod.problems
+    assert "srcversion is 'not hex!' (not hexadecimal)" in mod.problems
+    verdict = build_reconciler(Config()).decide(snap, build_reconciler(Config()).initial_memory())
+    assert "ib_core is not live (initstate unreadable)" in verdict.verdicts["peermem"].reasons
+
+
+def test_truncated_build_id_note_is_a_problem_not_a_crash(root: Path) -> None:
+    sysmod(root, "mlx5_core", initstate="live", refcnt="0", note=note()[:17])
+    good = sysmod(root, "mlx5_ib", initstate="live", refcnt="0", note=note())
+    assert good.exists()
+    snap = observe(root)
+    assert snap.modules["mlx5_core"].build_id is None
+    assert any("build-id" in p or "note" in p for p in snap.modules["mlx5_core"].problems)
+    assert snap.modules["mlx5_ib"].build_id == BUILD_ID.hex()
+
+
+def test_builtin_modules_without_initstate_are_not_loaded_modules(root: Path) -> None:
+    (root / "sys/module/printk/parameters").mkdir(parents=True)
+    assert "printk" not in observe(root).modules
+
+
+def test_symlink_at_driver_ready_is_reported_and_not_followed(root: Path) -> None:
+    elsewhere = root / "elsewhere"
+    elsewhere.write_text("")
+    flag = root / "run/mellanox/drivers/.driver-ready"
+    flag.parent.mkdir(parents=True)
+    flag.symlink_to(elsewhere)
+    snap = observe(root)
+    assert snap.mofed_ready.present is False
+    assert "symlink" in (snap.mofed_ready.problem or "")
+    d = build_reconciler(Config()).decide(snap, build_reconciler(Config()).initial_memory())
+    assert any("is a symlink" in r for r in d.verdicts["peermem"].reasons)
+
+
+def test_malformed_kernel_release(root: Path) -> None:
+    (root / "proc/sys/kernel/osrelease").write_text("../../etc\n")
+    snap = observe(root)
+    assert snap.kernel == "unknown"
+    assert any("malformed" in p for p in snap.problems)
+
+
+def test_missing_host_root_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["check", "--host-root", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "not a directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("mode = [", "does not parse as TOML"),
+        ('mode = "yolo"', "mode: expected one of observe, enforce, got 'yolo'"),
+        ('[peermem]\nrdma_stack = ["mlx5_core", "ib core; rm -rf /"]', "invalid kernel module"),
+        ('[peermem]\nload_params = ["a=$(reboot)"]', "invalid module parameter"),
+        ('[peermem]\nmofed = "sometimes"', "peermem.mofed"),
+        ('[paths]\nmofed_ready = "/etc/passwd"', "must be relative to the host root"),
+        ('[paths]\nstate_dir = "run/../../x"', "without '..'"),
+        ("frobnicate = 1", "unknown key 'frobnicate'"),
+        ("resync_seconds = -1", "resync_seconds"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expect: str
+) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    with pytest.raises(NodeagentError) as exc:
+        load_config(str(cfg), host_root=str(tmp_path))
+    assert expect in str(exc.value)
+    assert "\n" not in str(exc.value)
+    rc = main(["check", "--host-root", str(tmp_path), "--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert rc == 2 and expect in err and "Traceback" not in err
+
+
+def test_corrupt_state_file_is_set_aside_and_agent_starts_fresh(root: Path) -> None:
+    state = root / "run/nodeagent/state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text('{"version": 1, "guards": {"peermem": {"failures": "lots"')
+    cfg = Config(host_root=str(root), uevents=False)
+    agent = Agent(cfg, module_ops=_NoOps(), kernel_log=lambda m: [])
+    assert (root / "run/nodeagent/state.json.corrupt").exists()
+    agent.run_pass(["test"])
+    saved = json.loads(state.read_text())
+    assert saved["version"] == 1 and "peermem" in saved["guards"]
+    kinds = [r["kind"] for r in Timeline(HostRoot(root), "var/lib/nodeagent", 1 << 20, 2).records()]
+    assert "state-problem" in kinds
+
+
+def test_bad_guard_memory_resets_only_that_guard(root: Path) -> None:
+    state = root / "run/nodeagent/state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"version": 1, "guards": {"peermem": {"failures": "lots"}}}))
+    store = StateStore(HostRoot(root), "run/nodeagent")
+    memory, problems = store.load_memory(build_reconciler(Config()))
+    assert memory["peermem"].failures == 0
+    assert problems and "peermem memory is malformed" in problems[0]
+
+
+def test_symlinked_state_file_is_not_followed(root: Path) -> None:
+    victim = root / "victim"
+    victim.write_text("precious")
+    state = root / "run/nodeagent/state.json"
+    state.parent.mkdir(parents=True)
+    state.symlink_to(victim)
+    agent = Agent(
+        Config(host_root=str(root), uevents=False), module_ops=_NoOps(), kernel_log=lambda m: []
+    )
+    agent.run_pass(["test"])
+    assert victim.read_text() == "precious"
+    assert not state.is_symlink()
+
+
+def test_symlinked_state_dir_is_refused_for_writes(root: Path) -> None:
+    (root / "run").mkdir()
+    (root / "run/nodeagent").symlink_to(root / "proc")
+    with pytest.raises(NodeagentError, match="not a directory"):
+        HostRoot(root).write_atomic("run/nodeagent/status.json", b"{}")
+
+
+def test_timeline_rotates_and_reads_back_in_order(tmp_path: Path) -> None:
+    tl = Timeline(HostRoot(tmp_path), "var/lib/nodeagent", max_bytes=4096, keep=2)
+    for i in range(400):
+        tl.append({"i": i, "pad": "x" * 40})
+    files = sorted(os.listdir(tmp_path / "var/lib/nodeagent"))
+    assert files == ["timeline.jsonl", "timeline.jsonl.1", "timeline.jsonl.2"]
+    got = [r["i"] for r in tl.records()]
+    assert got == sorted(got) and got[-1] == 399
+    assert all(os.path.getsize(tmp_path / "var/lib/nodeagent" / f) <= 4096 + 100 for f in files)
+
+
+def test_cli_has_no_traceback_on_unknown_command() -> None:
+    p = subprocess.run([sys.executable, "-m", "nodeagent", "frob"], capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+class _NoOps:
+    def insert_file(self, path: str, params: object) -> None:
+        raise AssertionError("observe-mode agent must not load")
+
+    def remove(self, name: str) -> None:
+        raise AssertionError("observe-mode agent must not unload")
+
+    def probe(self, name: str, moddir: str, params: object = ()) -> None:
+        raise AssertionError("observe-mode agent must not probe")
