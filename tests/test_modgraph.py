@@ -63,8 +63,7 @@ def test_removal_refuses_when_held_from_outside() -> None:
     with pytest.raises(RemovalBlocked) as exc:
         removal_order(mods, ["rdma_cm", "iw_cm"])
     assert str(exc.value) == (
-        "rdma_cm is held by ib_isert, ib_srpt, nvme_rdma, nvmet_rdma, rpcrdma, "
-        "which is not being removed"
+        "rdma_cm is held by ib_isert, ib_srpt, nvme_rdma, nvmet_rdma, rpcrdma (not being removed)"
     )
 
 

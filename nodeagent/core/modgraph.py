@@ -41,9 +41,7 @@ def removal_order(modules: Mapping[str, LoadedModule], targets: Iterable[str]) -
     for name in sorted(todo):
         outside = sorted(h for h in modules[name].holders if h not in todo)
         if outside:
-            raise RemovalBlocked(
-                f"{name} is held by {', '.join(outside)}, which is not being removed"
-            )
+            raise RemovalBlocked(f"{name} is held by {', '.join(outside)} (not being removed)")
     order: list[str] = []
     remaining = set(todo)
     while remaining:
