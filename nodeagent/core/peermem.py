@@ -94,25 +94,28 @@ def identity_mismatch(loaded: LoadedModule, disk: DiskModule) -> str | None:
     )
 
 
-def abi_mismatches(snap: NodeSnapshot) -> tuple[list[str], dict[str, Any]]:
-    """Compare the CRCs nvidia_peermem.ko requires with those its loaded providers export.
+def abi_mismatches(
+    consumer: DiskModule,
+    providers: Mapping[str, tuple[LoadedModule | None, DiskModule]],
+) -> tuple[list[str], dict[str, Any]]:
+    """Compare the CRCs ``consumer``'s .ko requires with those its loaded providers export.
 
-    A provider is only trusted when its loaded identity matches the file the
-    CRCs were read from; otherwise the check is reported as not possible.
+    ``providers`` maps each module the consumer depends on to (its loaded
+    state, its file on disk). A provider's CRCs are only trusted when its
+    loaded identity matches that file; otherwise the check is reported as not
+    possible. The kernel refuses a consumer whose CRC for a symbol differs
+    from the provider's ("disagrees about version of symbol", EINVAL).
     """
-    peermem = snap.disk_module(PEERMEM)
     evidence: dict[str, Any] = {"checked": [], "unverifiable": []}
     reasons: list[str] = []
-    if peermem.path is None or peermem.problem or not peermem.required_crcs:
+    if consumer.path is None or consumer.problem or not consumer.required_crcs:
         evidence["unverifiable"].append(
-            f"{PEERMEM}.ko: " + (peermem.problem or "no __versions CRCs to check")
+            f"{consumer.name}.ko: " + (consumer.problem or "no __versions CRCs to check")
         )
         return reasons, evidence
-    for provider_name in peermem.depends:
-        provider = snap.disk_module(provider_name)
-        loaded = snap.module(provider_name)
+    for provider_name, (loaded, provider) in providers.items():
         if loaded is None:
-            continue  # condition 4 (or nvidia's condition 1) already speaks for it
+            continue  # the gate's liveness conditions already speak for it
         if provider.path is None or provider.problem:
             evidence["unverifiable"].append(
                 f"{provider_name}: {provider.problem or 'no module file found'}"
@@ -123,14 +126,14 @@ def abi_mismatches(snap: NodeSnapshot) -> tuple[list[str], dict[str, Any]]:
                 f"{provider_name}: loaded module is not {provider.path}, its CRCs are unknown"
             )
             continue
-        for symbol, need in sorted(peermem.required_crcs.items()):
+        for symbol, need in sorted(consumer.required_crcs.items()):
             have = provider.exported_crcs.get(symbol)
             if have is None:
                 continue
             evidence["checked"].append(symbol)
             if have != need:
                 reasons.append(
-                    f"{PEERMEM} needs {symbol} CRC {need:#010x} "
+                    f"{consumer.name} needs {symbol} CRC {need:#010x} "
                     f"but the loaded {provider_name} exports {have:#010x}"
                 )
     return reasons, evidence
@@ -279,7 +282,11 @@ class PeermemGate:
         evidence["rdma_stack"] = stack_ev
 
         # 6. ABI preflight: only meaningful once the stack is otherwise right.
-        abi_reasons, abi_ev = abi_mismatches(snap)
+        peermem_disk = snap.disk_module(PEERMEM)
+        abi_reasons, abi_ev = abi_mismatches(
+            peermem_disk,
+            {d: (snap.module(d), snap.disk_module(d)) for d in peermem_disk.depends},
+        )
         evidence["abi"] = abi_ev
         reasons.extend(abi_reasons)
 
