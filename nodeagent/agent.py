@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,19 @@ class Agent:
         kernel_log: KernelLog | None = None,
         wake_sources: Sequence[WakeSource] = (),
         clock: Callable[[], float] = time.time,
+        pass_context: Callable[[], AbstractContextManager[object]] | None = None,
+        on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        """``pass_context`` wraps every pass (the simulator holds its world lock in it);
+        ``on_pass`` runs at the end of every pass, inside that context, with the result or
+        the exception; ``on_record``
+        sees every timeline record. All three are for embedding; the daemon uses none.
+        """
         self.cfg = cfg
+        self.pass_context = pass_context or nullcontext
+        self.on_pass = on_pass
+        self.on_record = on_record
         self.host = HostRoot(cfg.host_root)
         self.clock = clock
         self.observer = Observer(self.host, cfg)
@@ -84,6 +96,8 @@ class Agent:
 
     def record(self, rec: dict[str, Any]) -> None:
         rec = {"ts": round(self.clock(), 6), **rec}
+        if self.on_record is not None:
+            self.on_record(rec)
         try:
             self.timeline.append(rec)
         except OSError as exc:
@@ -93,6 +107,18 @@ class Agent:
     # -- one pass -------------------------------------------------------------
 
     def run_pass(self, woken_by: Sequence[str] = ()) -> PassResult:
+        with self.pass_context():
+            try:
+                result = self._pass(woken_by)
+            except Exception as exc:
+                if self.on_pass is not None:
+                    self.on_pass(None, exc)
+                raise
+            if self.on_pass is not None:
+                self.on_pass(result, None)
+            return result
+
+    def _pass(self, woken_by: Sequence[str]) -> PassResult:
         now = self.clock()
         snap = self.observer.observe(now)
         rec = self.reconciler.decide(snap, self.memory)
@@ -232,3 +258,4 @@ class Agent:
         finally:
             watch.close()
             self.record({"kind": "stop"})
+            self.poke.close()

@@ -48,10 +48,12 @@ class Poke:
 
     def poke(self, why: str) -> None:
         with self._lock:
+            if self._w < 0:  # closed: a late stop() must not write to a reused fd number
+                return
             if len(self._pending) < 256:
                 self._pending.append(why)
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._w, b"\0")
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._w, b"\0")
 
     def drain(self) -> list[str]:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -62,9 +64,12 @@ class Poke:
         return out
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with self._lock:
+            fds, self._r, self._w = (self._r, self._w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def nearest_existing(path: Path, root: Path) -> Path:
