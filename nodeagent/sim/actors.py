@@ -1,0 +1,483 @@
+"""The parties that touch the node's modules, replaying what the seeds show.
+
+Each actor is a thread on the simulator's virtual clock that reads like the
+script it models:
+
+- ``mofed_container``: the Network Operator's MOFED/DOCA driver container
+  (clear the ready flag, compile in the driver toolkit, install, write the
+  blacklist, ``openibd restart``, restore VFs serially with a fixed delay and
+  exit on the first VF whose netdev is missing, set the ready flag); refuses
+  to start over loaded storage modules unless ``UNLOAD_STORAGE_MODULES``;
+- ``gpu_driver_container`` (+ its init container ``k8s-driver-manager``):
+  builds ``nvidia_peermem`` against the MOFED headers present at that moment,
+  loads ``nvidia``, ``nvidia_uvm``, ``nvidia_modeset`` and then
+  ``nvidia_peermem`` with no wait; next to nodeagent it waits for the agent's
+  gate instead;
+- ``peermem_sidecar``: ``nvidia-peermem-ctr``, polling every 10 s;
+- ``nfs_mount``: the host mounting an NFS-over-RDMA share.
+
+``Container`` restarts a body that exits, with Kubernetes' back-off: at once,
+then 10 s, 20 s, 40 s ... capped at 300 s, reset after 10 minutes of running.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nodeagent.host.kmod import ModuleOpError
+from nodeagent.sim.clock import Actor
+from nodeagent.sim.modtree import (
+    GPU_MODULES,
+    PEER_MEMORY_API,
+    RDMA_MODULES,
+    Generation,
+    srcversion_of,
+)
+from nodeagent.sim.node import BLACKLIST, CTR_READY, GATE, READY, Node
+
+__all__ = [
+    "STORAGE_MODULE_NAMES",
+    "Container",
+    "ContainerExit",
+    "GpuSpec",
+    "MofedSpec",
+    "Terminated",
+    "gpu_driver_container",
+    "host_modprobe",
+    "mofed_container",
+    "nfs_mount",
+    "peermem_sidecar",
+]
+
+INF = float("inf")
+PEERMEM = "nvidia_peermem"
+STORAGE_MODULE_NAMES = [
+    "ib_iser",
+    "ib_isert",
+    "ib_srp",
+    "ib_srpt",
+    "nvme_rdma",
+    "nvmet_rdma",
+    "rpcrdma",
+    "xprtrdma",
+]
+STORAGE_MESSAGE = (
+    "Storage modules are loaded for current driver, terminating prior driver reload "
+    'failure due to UNLOAD_STORAGE_MODULES not set to "true"'
+)
+# openibd: upper layers first, ib_core last; then the HCA driver back bottom-up.
+UNLOAD_ORDER = [
+    "rpcrdma",
+    "ib_ipoib",
+    "rdma_ucm",
+    "ib_umad",
+    "mlx5_ib",
+    "ib_uverbs",
+    "rdma_cm",
+    "ib_cm",
+    "iw_cm",
+    "mlx5_core",
+    "ib_core",
+]
+LOAD_ORDER = ("mlx5_core", "mlx5_ib", "ib_umad", "ib_ipoib", "rdma_ucm")
+COMPARED = ("mlx5_core", "mlx5_ib", "ib_core")  # what MOFED compares by srcversion
+
+
+class ContainerExit(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"exit {code}")
+        self.code = code
+
+
+class Terminated(Exception):
+    """SIGTERM: the pod is being deleted or replaced."""
+
+
+def tool_error(exc: ModuleOpError) -> str:
+    """What kmod's modprobe prints for a failed insert."""
+    if exc.errno == errno.ENOENT and "not found" in (exc.detail or ""):
+        return f"modprobe: FATAL: Module {exc.module} not found"
+    reason = {
+        errno.ENOENT: "Unknown symbol in module, or unknown parameter (see dmesg)",
+        errno.EINVAL: "Invalid argument",
+        errno.ENOEXEC: "Exec format error",
+        errno.EPERM: exc.detail or "Operation not permitted",
+    }.get(exc.errno, exc.detail or "error")
+    return f"modprobe: ERROR: could not insert '{exc.module}': {reason}"
+
+
+@dataclass
+class Container:
+    """One container with ``restartPolicy: Always`` (see the module doc)."""
+
+    node: Node
+    name: str
+    column: str
+    body: Callable[[Container], None]
+    init: Callable[[Container], None] | None = None  # an init container: once per pod
+    startup_s: float = 3.0
+    restarts: int = 0
+    exits: list[tuple[float, int]] = field(default_factory=list)
+    state: str = "waiting"
+    pod: dict[str, Any] = field(default_factory=dict)  # survives restarts (emptyDir volumes)
+    actor: Actor | None = None
+
+    def start(self, delay: float = 0.0) -> Container:
+        self.actor = self.node.sched.spawn(self.name, self._main, delay)
+        return self
+
+    def terminate(self) -> None:
+        if self.actor is not None:
+            self.actor.interrupt(Terminated())
+
+    def say(self, text: str) -> None:
+        self.node.emit(self.column, text)
+
+    def _main(self) -> None:
+        try:
+            if self.init is not None:
+                self.state = "init"
+                self.init(self)
+            in_a_row = 0
+            while True:
+                self.state = "running"
+                started = self.node.now()
+                try:
+                    self.body(self)
+                    code = 0
+                except ContainerExit as exc:
+                    code = exc.code
+                if self.node.now() - started >= 600:
+                    in_a_row = 0
+                delay = 0.0 if in_a_row == 0 else min(300.0, 10.0 * 2 ** (in_a_row - 1))
+                in_a_row += 1
+                self.exits.append((self.node.now(), code))
+                self.state = "CrashLoopBackOff" if delay else "restarting"
+                how = f"back-off {delay:.0f}s (CrashLoopBackOff)" if delay else "restarting"
+                self.say(f"{self.name} exited {code}; {how}")
+                self.node.sleep(delay + self.startup_s)
+                self.restarts += 1
+                self.say(f"{self.name} restart #{self.restarts}")
+        except Terminated:
+            self.state = "terminated"
+            self.say(f"{self.name} terminated")
+
+
+# -- MOFED ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MofedSpec:
+    gen: Generation
+    version: str  # e.g. "25.07-0.9.7.0"
+    unload_storage: bool = False  # UNLOAD_STORAGE_MODULES
+    dtk_start_s: float = 7.0
+    compile_start_s: float = 10.0
+    compile_s: float = 140.0
+    install_wait_s: float = 145.0  # compile end -> install (DTK flag poll, the other build)
+    install_s: float = 2.0
+    unload_gap_s: float = 2.0
+    load_gap_s: float = 8.0
+    post_load_s: float = 0.0  # HCA loaded -> ready flag (other restore steps)
+    vf_restore_start_s: float = 21.0  # numvfs written -> first VF restored (BIND_DELAY_SEC ...)
+    vf_restore_s: float = 6.45  # per VF, serially
+    vf_link_s: float = 0.6  # within one VF: read its netdev name -> set it
+
+
+def mofed_container(node: Node, spec: MofedSpec, name: str = "mofed-container") -> Container:
+    return Container(node, name, "MOFED", lambda c: _mofed_body(node, spec, c))
+
+
+def _installed_matches(node: Node, gen: Generation) -> bool:
+    for m in COMPARED:
+        loaded = node.kernel.module(m)
+        if loaded is None or loaded.info.srcversion != srcversion_of(m, gen):
+            return False
+    return True
+
+
+def _mofed_body(node: Node, spec: MofedSpec, c: Container) -> None:
+    k = node.kernel
+    say = c.say
+    try:
+        say("Unsetting driver ready state")
+        node.remove(READY)
+        storage = [m for m in STORAGE_MODULE_NAMES if k.module(m) is not None]
+        if storage:
+            if not spec.unload_storage:
+                say(STORAGE_MESSAGE)
+                raise ContainerExit(1)
+            for m in storage:
+                try:
+                    k.remove(m)
+                except ModuleOpError as exc:
+                    say(f"rmmod: ERROR: {exc}")
+                    raise ContainerExit(1) from None
+        if not c.pod.get("built"):
+            if k.module(PEERMEM) is not None:  # pre-start: only here, long before the restart
+                try:
+                    k.remove(PEERMEM)
+                    say("pre-start: unloaded nvidia_peermem")
+                except ModuleOpError as exc:
+                    say(f"pre-start: could not unload nvidia_peermem ({exc.detail})")
+            say("Awaiting driver toolkit to complete NIC driver build")
+            node.dtk_busy = True
+            node.sleep(spec.dtk_start_s)
+            say("DTK driver build script start")
+            node.sleep(spec.compile_start_s)
+            say(f"Starting compilation of driver version {spec.version}")
+            node.sleep(spec.compile_s)
+            node.write_headers(spec.gen, RDMA_MODULES)
+            say(f"DTK driver build script end (headers of MOFED {spec.gen.version} in place)")
+            node.dtk_busy = False
+            c.pod["built"] = True
+            node.sleep(spec.install_wait_s)
+        say(f"Installing MOFED {spec.version} packages")
+        node.install(spec.gen, RDMA_MODULES, "mofed")
+        node.sleep(spec.install_s)
+        if _installed_matches(node, spec.gen):
+            say("Driver already loaded (srcversion match): skipping reload")
+        else:
+            _openibd_restart(node, spec, c)
+        node.sleep(spec.post_load_s)
+        say(f"Current mlx5_core driver version: {spec.version}; setting driver ready state")
+        node.write(READY)
+        node.sleep(INF)
+    except Terminated:
+        say("Terminate event caught: unsetting driver readiness")
+        node.remove(READY)
+        raise
+    finally:
+        node.dtk_busy = False
+        if node.exists(BLACKLIST):  # the EXIT trap
+            node.remove(BLACKLIST)
+
+
+def _openibd_restart(node: Node, spec: MofedSpec, c: Container) -> None:
+    k = node.kernel
+    say = c.say
+    loaded = k.module("mlx5_core")
+    have = loaded.info.srcversion if loaded else None
+    say(f"srcversion mismatch (loaded {have}, installed {srcversion_of('mlx5_core', spec.gen)})")
+    saved = {
+        pf.ifname: [(vf.index, vf.pci, vf.netdev, vf.config) for vf in pf.vfs]
+        for pf in k.pfs.values()
+        if pf.vfs
+    }
+    node.write_blacklist()
+    say("openibd restart: Unloading HCA driver")
+    for m in UNLOAD_ORDER:
+        if k.module(m) is None:
+            continue
+        try:
+            k.remove(m)
+        except ModuleOpError as exc:
+            say(f"rmmod: ERROR: Module {m} is {exc.detail}; Unloading HCA driver: [FAILED]")
+            raise ContainerExit(1) from None
+        node.sleep(spec.unload_gap_s)
+    say("Loading HCA driver and Access Layer")
+    for m in LOAD_ORDER:
+        try:
+            k.modprobe(m, node.mofed_moddir)
+        except ModuleOpError as exc:
+            say(f"{tool_error(exc)}; Loading HCA driver and Access Layer: [FAILED]")
+            raise ContainerExit(1) from None
+        node.sleep(spec.load_gap_s)
+    say("Loading HCA driver and Access Layer: [  OK  ]")
+    node.remove(BLACKLIST)
+    for pf_name, vfs in saved.items():
+        _restore_vfs(node, spec, c, pf_name, vfs)
+
+
+def _restore_vfs(node: Node, spec: MofedSpec, c: Container, pf_name: str, vfs: list[Any]) -> None:
+    """MOFED's restore: serial, a fixed delay instead of waiting, exit on the first failure.
+
+    It saved each VF's MAC, MTU and admin state (not trust, spoofchk, link
+    state, VLAN/QoS or rates), and restores exactly those.
+    """
+    k = node.kernel
+    say = c.say
+    say(f"restore_sriov_config: {pf_name} up, echo {len(vfs)} > sriov_numvfs")
+    try:
+        k.write_sriov_numvfs(pf_name, len(vfs))
+    except OSError as exc:
+        say(f"restore_sriov_config: write sriov_numvfs failed: {exc.strerror}")
+        raise ContainerExit(1) from None
+    node.sleep(spec.vf_restore_start_s)
+    for index, pci, _old_name, cfg in vfs:
+        name = k.vf_netdev(pf_name, index)
+        if name is None:
+            say(
+                f"VF{index} {pci}: /sys/class/net/{pf_name}/device/virtfn{index}/net/ not found: "
+                '"dev argument required"; VF restore failed, exiting'
+            )
+            raise ContainerExit(1)
+        k.set_vf(pf_name, index, mac=cfg.mac)
+        node.sleep(spec.vf_link_s)
+        try:
+            k.set_link(name, mtu=cfg.mtu, admin_up=cfg.admin_up)
+        except OSError:
+            say(f'VF{index} {pci}: Cannot find device "{name}"; VF restore failed, exiting')
+            raise ContainerExit(1) from None
+        say(f"VF{index} {pci} {name}: restored (MAC, MTU, state)")
+        node.sleep(spec.vf_restore_s - spec.vf_link_s)
+
+
+# -- GPU driver -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    gen: Generation
+    rdma: bool = True  # GPUDirect RDMA: load nvidia_peermem
+    agent: bool = False  # next to nodeagent: wait for its gate instead of loading peermem
+    manager_s: float = 35.0  # k8s-driver-manager: shut down GPU clients, look for the NIC
+    poll_s: float = 5.0
+    build_s: float = 140.0  # first start: compile in the driver toolkit
+    install_s: float = 45.0  # nvidia-installer (rebuilds nvidia-peermem.ko on every start)
+    modprobe_gap_s: float = 2.0
+    gate_poll_s: float = 2.0
+
+
+def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-ctr") -> Container:
+    return Container(
+        node,
+        name,
+        "GPU driver",
+        lambda c: _gpu_body(node, spec, c),
+        init=lambda c: _driver_manager(node, spec, c),
+    )
+
+
+def _driver_manager(node: Node, spec: GpuSpec, c: Container) -> None:
+    c.say("k8s-driver-manager: shutting down GPU clients")
+    node.sleep(spec.manager_s)
+    c.say("k8s-driver-manager: Mellanox device found at 0000:01:00.0; waiting for MOFED")
+    # It stats the ready flag, or matches mlx5_core in /proc/modules (any mlx5_core).
+    while not node.exists(READY) and node.kernel.module("mlx5_core") is None:
+        node.sleep(spec.poll_s)
+    c.say("k8s-driver-manager: MOFED found (ready flag or mlx5_core loaded); done")
+
+
+def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
+    k = node.kernel
+    say = c.say
+    holding = False
+    try:
+        for m in ("nvidia_peermem", "nvidia_modeset", "nvidia_uvm", "nvidia"):
+            if k.module(m) is None:
+                continue
+            try:
+                k.remove(m)
+            except ModuleOpError:
+                say("Could not unload NVIDIA driver kernel modules, driver is in use")
+                raise ContainerExit(1) from None
+        if node.dtk_busy:
+            say("Waiting for the driver toolkit (busy with MOFED)")
+            while node.dtk_busy:
+                node.sleep(spec.poll_s)
+        headers = node.headers()
+        first = not c.pod.get("built")
+        if headers is not None and all(s in headers for s in PEER_MEMORY_API):
+            hdr_gen = node.headers_version
+            say(
+                ("Compiling NVIDIA drivers" if first else "nvidia-installer: rebuilding")
+                + f" nvidia-peermem.ko against the MOFED {hdr_gen} headers present now"
+            )
+            specs = GPU_MODULES
+        else:
+            say("No MOFED headers: nvidia-peermem.ko not built")
+            specs = tuple(s for s in GPU_MODULES if s.name != PEERMEM)
+        node.sleep(spec.build_s + spec.install_s if first else spec.install_s)
+        node.install(spec.gen, specs, "gpu", against=headers)
+        c.pod["built"] = True
+        for m in ("nvidia", "nvidia_uvm", "nvidia_modeset"):
+            k.modprobe(m, node.gpu_moddir)
+            node.sleep(spec.modprobe_gap_s)
+        say("Loaded nvidia, nvidia-uvm, nvidia-modeset")
+        if spec.rdma and spec.agent:
+            say("Waiting for the nodeagent peermem gate (run/nodeagent/peermem.gate)")
+            while not node.exists(GATE) and not k.is_live(PEERMEM):
+                node.sleep(spec.gate_poll_s)
+            say("peermem gate open")
+        elif spec.rdma:
+            say("Loading NVIDIA Peer Memory kernel module: modprobe -a nvidia-peermem")
+            try:
+                k.modprobe(PEERMEM, node.gpu_moddir)
+            except ModuleOpError as exc:
+                say(tool_error(exc))
+                raise ContainerExit(1) from None
+        k.get_module("nvidia")  # nvidia-persistenced holds the device
+        holding = True
+        node.write(CTR_READY)
+        say("Done, now waiting for signal")
+        node.sleep(INF)
+    finally:
+        if holding and k.module("nvidia") is not None:
+            k.put_module("nvidia")
+        node.remove(CTR_READY)
+
+
+def peermem_sidecar(node: Node, poll_s: float = 10.0) -> Container:
+    """nvidia-peermem-ctr: loads nvidia_peermem once MOFED and the driver say ready."""
+
+    def body(c: Container) -> None:
+        k = node.kernel
+        waiting = False
+        while True:
+            if not (node.exists(READY) and node.exists(CTR_READY)):
+                if not waiting:
+                    c.say("nvidia-peermem-ctr: waiting for mellanox ofed and nvidia drivers")
+                    waiting = True
+            elif k.module(PEERMEM) is None:
+                waiting = False
+                try:
+                    k.modprobe(PEERMEM, node.gpu_moddir)
+                except ModuleOpError as exc:
+                    c.say(f"nvidia-peermem-ctr: {tool_error(exc)}")
+                    c.say("nvidia-peermem-ctr: failed to load nvidia-peermem module")
+                    raise ContainerExit(1) from None
+                c.say("nvidia-peermem-ctr: loaded nvidia-peermem")
+            node.sleep(poll_s)
+
+    return Container(node, "nvidia-peermem-ctr", "GPU driver", body)
+
+
+# -- the host ---------------------------------------------------------------------
+
+
+def host_modprobe(node: Node, modules: tuple[str, ...], why: str) -> None:
+    """The host loading modules (PCI enumeration, a service) from its own tree."""
+    loaded = []
+    for m in modules:
+        try:
+            loaded += node.kernel.modprobe(m, node.host_moddir, install_rules=True)
+        except ModuleOpError as exc:
+            node.emit("kernel", f"{why}: {tool_error(exc)}")
+            return
+    if loaded:
+        node.emit("kernel", f"{why}: loaded {' '.join(loaded)}")
+
+
+def nfs_mount(node: Node, retry_s: float = 30.0) -> Callable[[], None]:
+    """An NFS-over-RDMA mount: loads rpcrdma (and sunrpc, the RDMA chain) and holds them."""
+
+    def body() -> None:
+        k = node.kernel
+        while True:
+            try:
+                loaded = k.modprobe("rpcrdma", node.host_moddir, install_rules=True)
+            except ModuleOpError as exc:
+                node.emit("kernel", f"mount -t nfs -o proto=rdma: {tool_error(exc)}; retrying")
+                node.sleep(retry_s)
+                continue
+            for m in ("rpcrdma", "sunrpc"):
+                k.get_module(m)
+            extra = f" (loaded {' '.join(loaded)})" if loaded else ""
+            node.emit("kernel", f"NFS-over-RDMA share mounted{extra}; rpcrdma in use")
+            return
+
+    return body

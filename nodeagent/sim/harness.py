@@ -1,0 +1,175 @@
+"""The real agent inside the simulator: its own ``run`` loop in a thread.
+
+The agent is ``nodeagent.agent.Agent`` unchanged in what it does: the same
+loop, the same observer reading the temp host root, real inotify (watchdog)
+on it, enforce mode. What the simulator gives it:
+
+- ``SimKernel`` as its module operations and kernel-log reader;
+- the simulated kernel's uevent pipe and a *fence* pipe as extra wake sources;
+- the virtual clock (seed-time) as its clock.
+
+Determinism: virtual time only moves when the scheduler pops an event, and
+after every step the scheduler calls ``settle``, which pokes the fence when the
+step changed the node and waits until every poke and uevent has been drained
+and the pass after the drain has finished (or the agent is blocked inside a
+simulated module operation that takes virtual time). Each pass holds the
+scheduler's ``world`` lock, so a pass started by a late inotify event never
+sees half a step: it sees a state the deterministic pass saw, decides the same,
+and adds nothing to the record. A guard's ``wake_at`` becomes a scheduler event.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from nodeagent.agent import Agent, PassResult, build_reconciler
+from nodeagent.config import Config
+from nodeagent.sim.clock import SimError
+from nodeagent.sim.kernel import WakePipe
+from nodeagent.sim.node import Node
+
+__all__ = ["AgentHarness", "SimAgent", "agent_guards"]
+
+SETTLE_TIMEOUT_S = 30.0
+
+
+def agent_config(node: Node) -> Config:
+    # uevents=False: the host's real netlink uevents say nothing about the temp root;
+    # the simulated kernel's uevents come in as a wake source instead.
+    return Config(host_root=str(node.root), mode="enforce", uevents=False)
+
+
+def agent_guards() -> tuple[str, ...]:
+    """The guards the agent runs today (a scenario needing another one is labelled)."""
+    return tuple(build_reconciler(Config()).guards)
+
+
+class SimAgent:
+    """The real ``Agent``, embedded: passes hold the world lock, timers become events.
+
+    Uses only the agent's embedding hooks (``pass_context``, ``on_pass``,
+    ``on_record``); the loop, observation, guards and actions are untouched.
+    """
+
+    def __init__(self, cfg: Config, node: Node, fence: WakePipe, on_pass: Any) -> None:
+        self.sim_records: list[dict[str, Any]] = []
+        self.sim_errors: list[str] = []  # passes that raised
+        self._node = node
+        self._fence = fence
+        self._notify = on_pass
+        self._timers: set[float] = set()
+        self._pass_t = node.sched.now()
+        self.agent = Agent(
+            cfg,
+            module_ops=node.kernel,
+            kernel_log=node.kernel.kernel_messages,
+            wake_sources=[node.kernel.uevent_source, fence],
+            clock=node.sched.now,
+            pass_context=self._world,
+            on_pass=self._pass_done,
+            on_record=self._record,
+        )
+
+    @contextmanager
+    def _world(self) -> Iterator[None]:
+        world = self._node.sched.world
+        world.acquire()
+        try:
+            self._pass_t = self._node.sched.now()
+            yield
+        finally:
+            world.release()
+            self._notify()
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        # A decision is about the snapshot its pass took; an action ends when it ends.
+        t = self._pass_t if rec.get("kind") == "decision" else self._node.sched.now()
+        self.sim_records.append({**rec, "ts": round(t, 3)})
+
+    def _pass_done(self, result: PassResult | None, exc: Exception | None) -> None:
+        if exc is not None:  # the loop survives it; the simulation must not hide it
+            self.sim_errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        assert result is not None
+        if result.wake_at is not None and result.wake_at not in self._timers:
+            self._timers.add(result.wake_at)
+            self._node.sched.call_at(
+                result.wake_at, lambda: self._fence.push("guard timer"), late=True
+            )
+
+    # The harness drives the agent through these.
+    @property
+    def passes(self) -> int:
+        return self.agent.passes
+
+    def wait_for_passes(self, count: int, timeout: float) -> bool:
+        return self.agent.wait_for_passes(count, timeout)
+
+    def run(self) -> None:
+        self.agent.run()
+
+    def stop(self) -> None:
+        self.agent.stop()
+
+
+class AgentHarness:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.fence = WakePipe()
+        self._cv = threading.Condition()
+        self._target = 0
+        self.agent = SimAgent(agent_config(node), node, self.fence, self._notify)
+        for src in (self.fence, node.kernel.uevent_source):
+            src.on_drain = self._drained
+        self._seen = node.world_version()
+        self.thread = threading.Thread(target=self.agent.run, name="nodeagent", daemon=True)
+
+    def _drained(self, _n: int) -> None:
+        with self._cv:
+            self._target = self.agent.passes + 1  # the pass that follows this drain
+            self._cv.notify_all()
+
+    def _notify(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def start(self) -> None:
+        self.thread.start()
+        if not self.agent.wait_for_passes(1, SETTLE_TIMEOUT_S):
+            raise SimError("the agent did not finish its first pass")
+        self._seen = self.node.world_version()
+
+    def _quiet(self) -> bool:
+        if self.agent.sim_errors:
+            raise SimError(f"an agent pass failed: {self.agent.sim_errors[0]}")
+        if self.node.sched.foreign_blocked:
+            return True  # mid-pass, inside a module operation that takes virtual time
+        return (
+            self.fence.pending == 0
+            and self.node.kernel.uevent_source.pending == 0
+            and self.agent.passes >= self._target
+        )
+
+    def settle(self) -> None:
+        if self.node.world_version() != self._seen:
+            self.fence.push("simulation step")
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        with self._cv:
+            while not self._quiet():
+                if time.monotonic() > deadline or not self.thread.is_alive():
+                    raise SimError("the agent did not settle (thread dead or stuck)")
+                self._cv.wait(0.002)
+        self._seen = self.node.world_version()
+
+    def stop(self) -> None:
+        self.agent.stop()
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Wait for the agent's loop to end, then close the pipes it woke on."""
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.fence.close()

@@ -1,0 +1,109 @@
+"""``nodeagent simulate``: options, the text views and the JSON schema (version 1)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from nodeagent.sim.cli import simulate_main
+from nodeagent.sim.node import COLUMNS
+from nodeagent.sim.scenarios import SCENARIOS
+
+VERDICT_TYPES: dict[str, tuple[type, ...]] = {
+    "peermem_loaded": (bool,),
+    "peermem_loads": (int,),
+    "peermem_failed_loads": (int,),
+    "peermem_first_loaded_at": (float, int, type(None)),
+    "ready_flag_at": (float, int, type(None)),
+    "driver_restarts": (int,),
+    "sidecar_restarts": (int,),
+    "mofed_installed": (bool,),
+    "mofed_restarts": (int,),
+    "vfs_total": (int,),
+    "vfs_config_back": (int,),
+    "vfs_partly_back": (int,),
+    "healthy_at": (float, int, type(None)),
+    "missing_guards": (list,),
+}
+
+
+def check_schema(doc: dict[str, Any]) -> None:
+    """The schema docs/simulator.md documents, checked field by field."""
+    assert doc["schema"] == "nodeagent-simulate" and doc["version"] == 1
+    assert set(doc) == {"schema", "version", "seed", "speed", "scenarios", "wall_seconds"}
+    assert isinstance(doc["seed"], int) and isinstance(doc["wall_seconds"], float)
+    for sc in doc["scenarios"]:
+        assert set(sc) == {
+            "name", "title", "seeds", "clock_start", "kernel", "duration_s", "needs_guards", "runs",
+        }  # fmt: skip
+        assert sc["name"] in SCENARIOS and all(isinstance(s, str) for s in sc["seeds"])
+        for run in sc["runs"]:
+            assert set(run) == {"agent", "verdict", "events", "kernel_log"}
+            assert isinstance(run["agent"], bool)
+            assert set(run["verdict"]) == set(VERDICT_TYPES)
+            for key, types in VERDICT_TYPES.items():
+                assert isinstance(run["verdict"][key], types), key
+            times = [e["t"] for e in run["events"]]
+            assert times == sorted(times) and all(t >= 0 for t in times)
+            for e in run["events"]:
+                assert set(e) == {"t", "clock", "column", "kind", "text"}
+                assert e["column"] in COLUMNS and isinstance(e["text"], str)
+                assert e["kind"] in ("line", "state")
+                assert e["kind"] == "line" or e["column"] == "kernel"
+                assert len(e["clock"]) == 8 and e["clock"][2] == ":"
+            for line in run["kernel_log"]:
+                assert set(line) == {"t", "text"}
+
+
+def test_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate_main(["kernel-upgrade-race", "--compare", "--json", "--speed", "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    check_schema(doc)
+    (sc,) = doc["scenarios"]
+    assert [r["agent"] for r in sc["runs"]] == [False, True]
+    assert sc["clock_start"] == "11:51:06"
+    first = sc["runs"][0]["events"][0]
+    assert first["t"] == 0 and first["clock"] == "11:51:06"
+    assert sc["runs"][0]["verdict"]["driver_restarts"] >= 1
+    assert sc["runs"][1]["verdict"]["driver_restarts"] == 0
+
+
+def test_compare_prints_both_timelines_and_the_verdicts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert simulate_main(["storage-module-race", "--compare", "--speed", "0"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("time"))
+    assert "MOFED (no agent)" in header and "agent (agent)" in header and "║" in header
+    assert "without the agent" in out and "with nodeagent" in out
+    assert "healthy node at (seed time)" in out
+    assert "guard not built yet" in out  # while the storage guard is not there
+    assert "00:20:00" in out  # the MOFED pod's first start, in the seed's clock
+
+
+def test_without_agent_has_no_agent_column(capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate_main(["vf-restore", "--without-agent", "--speed", "0"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("time"))
+    assert "agent" not in header and "MOFED" in header
+    assert "VFs with their config back      0/50" in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["no-such-scenario"], ["--compare", "--without-agent"], ["--speed", "-1"], ["--seed", "x"]],
+)
+def test_bad_usage_is_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert simulate_main(argv) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_speed_paces_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    start = time.monotonic()
+    assert simulate_main(["vf-restore", "--without-agent", "--speed", "1200"]) == 0
+    assert time.monotonic() - start >= 600 / 1200 * 0.9  # 600 seed-seconds at 1200x
+    capsys.readouterr()

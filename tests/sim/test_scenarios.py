@@ -1,0 +1,135 @@
+"""The seed scenarios, without and with the real agent (its own loop, real inotify, enforce)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from nodeagent.sim.clock import SimError
+from nodeagent.sim.harness import agent_guards
+from nodeagent.sim.render import to_json
+from nodeagent.sim.scenarios import SCENARIOS, RunResult, run_scenario
+
+_cache: dict[tuple[str, bool, int], RunResult] = {}
+
+
+def run(name: str, agent: bool, seed: int = 1) -> RunResult:
+    key = (name, agent, seed)
+    if key not in _cache:
+        _cache[key] = run_scenario(SCENARIOS[name], agent=agent, seed=seed)
+    return _cache[key]
+
+
+def texts(r: RunResult, column: str) -> list[str]:
+    return [e.text for e in r.events if e.column == column]
+
+
+def test_kernel_upgrade_race_without_agent_crashes_the_driver_with_einval() -> None:
+    r = run("kernel-upgrade-race", agent=False)
+    gpu = texts(r, "GPU driver")
+    einval = "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument"
+    assert einval in gpu
+    assert gpu.index(einval) < gpu.index("nvidia-driver-ctr exited 1; restarting")
+    failed_at = next(e.t for e in r.events if e.text == einval)
+    assert r.verdict.ready_flag_at is not None
+    assert failed_at < r.verdict.ready_flag_at, "mid-restart, before MOFED's ready flag"
+    kmsg = [text for _t, text in r.kernel_log]
+    assert (
+        "nvidia_peermem: disagrees about version of symbol ib_register_peer_memory_client" in kmsg
+    )
+    assert r.verdict.driver_restarts >= 1
+    assert r.verdict.peermem_failed_loads >= 1
+
+
+def test_kernel_upgrade_race_with_agent_loads_peermem_once_after_the_ready_flag() -> None:
+    r = run("kernel-upgrade-race", agent=True)
+    v = r.verdict
+    assert v.driver_restarts == 0
+    assert v.peermem_failed_loads == 0
+    assert v.peermem_loads == 1 and v.peermem_loaded
+    assert v.ready_flag_at is not None and v.peermem_first_loaded_at is not None
+    assert v.peermem_first_loaded_at >= v.ready_flag_at
+    assert not any("Invalid argument" in t for t in texts(r, "GPU driver"))
+    agent = texts(r, "agent")
+    assert any(t.startswith("load nvidia_peermem from ") and t.endswith(": ok") for t in agent)
+    assert "peermem gate open" in agent
+    assert not any("disagrees" in text for _t, text in r.kernel_log)
+    assert v.healthy_at is not None and v.mofed_installed
+
+
+def test_mofed_upgrade_agent_unloads_peermem_when_the_restart_begins() -> None:
+    without, with_agent = run("mofed-upgrade", False), run("mofed-upgrade", True)
+    assert "pre-start: unloaded nvidia_peermem" in texts(without, "MOFED")
+    agent = texts(with_agent, "agent")
+    assert "unload nvidia_peermem: ok" in agent
+    first_unload = next(e.t for e in with_agent.events if e.text == "unload nvidia_peermem: ok")
+    assert first_unload < 1.0  # at the SIGTERM (ready flag removed), not 34 s later
+    for r in (without, with_agent):
+        assert r.verdict.peermem_loaded and r.verdict.mofed_installed
+
+
+def test_storage_race_fails_in_both_runs_while_the_storage_guard_is_not_built() -> None:
+    for agent in (False, True):
+        r = run("storage-module-race", agent)
+        mofed = texts(r, "MOFED")
+        assert any(t.startswith("Storage modules are loaded for current driver") for t in mofed)
+        assert r.verdict.mofed_restarts >= 3
+    with_agent = run("storage-module-race", True)
+    if "storage" in agent_guards():
+        pytest.skip("the storage guard exists now: this scenario is its test")
+    assert with_agent.verdict.missing_guards == ("storage",)
+    assert not with_agent.verdict.mofed_installed and with_agent.verdict.healthy_at is None
+
+
+def test_vf_scenarios_replay_mofeds_restore_failures() -> None:
+    phase1, phase2 = run("vf-restore", False), run("mofed-upgrade", False)
+    assert any('VF0 0000:01:00.3: Cannot find device "eth0"' in t for t in texts(phase1, "MOFED"))
+    mofed2 = texts(phase2, "MOFED")
+    restored = [t for t in mofed2 if t.endswith("restored (MAC, MTU, state)")]
+    assert len(restored) == 16  # seed 1 gives the seed's VF16
+    assert any(t.startswith("VF16 0000:01:02.3: ") and "dev argument required" in t for t in mofed2)
+    for r in (phase1, phase2):
+        assert r.verdict.vfs_total == 50 and r.verdict.vfs_config_back == 0
+        assert r.verdict.mofed_restarts == 1 and r.verdict.mofed_installed
+    assert phase2.verdict.vfs_partly_back == 16
+    if "vf" not in agent_guards():
+        for name in ("vf-restore", "mofed-upgrade"):
+            assert run(name, True).verdict.missing_guards == ("vf",)
+            assert run(name, True).verdict.vfs_config_back == 0
+
+
+def test_same_seed_same_timeline() -> None:
+    first = to_json(
+        [run("kernel-upgrade-race", True), run("mofed-upgrade", True)], seed=1, speed=None
+    )
+    again = [
+        run_scenario(SCENARIOS[name], agent=True, seed=1)
+        for name in ("kernel-upgrade-race", "mofed-upgrade")
+    ]
+    second = to_json(again, seed=1, speed=None)
+    first.pop("wall_seconds")
+    second.pop("wall_seconds")
+    assert first == second
+
+
+def test_another_seed_moves_the_vf_timings() -> None:
+    a = run("mofed-upgrade", False, seed=1)
+    b = run("mofed-upgrade", False, seed=4)
+    fail = lambda r: next(t for t in texts(r, "MOFED") if "VF restore failed" in t)  # noqa: E731
+    assert fail(a) != fail(b)
+
+
+def test_a_failing_agent_pass_fails_the_simulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nodeagent.host.observe import Observer
+
+    observe = Observer.observe
+
+    def broken(self: Observer, now: float) -> Any:
+        if now >= 100:
+            raise RuntimeError("observer broke")
+        return observe(self, now)
+
+    monkeypatch.setattr(Observer, "observe", broken)
+    with pytest.raises(SimError, match="observer broke"):
+        run_scenario(SCENARIOS["kernel-upgrade-race"], agent=True)
