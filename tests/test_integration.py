@@ -1,0 +1,199 @@
+"""The agent end to end on a temp-dir host root: real inotify, the simulated kernel behind it.
+
+The agent runs its own loop in a thread on the wall clock, enforce mode; the
+test plays MOFED by writing the marker files and (un)loading the RDMA stack
+through the simulated kernel, which edits the temp sysfs as the kernel would.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeagent.agent import Agent
+from nodeagent.config import Config
+from nodeagent.sim.modtree import GPU_MODULES, RDMA_MODULES
+from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
+from nodeagent.sim.scenarios import MOFED_2507, NVIDIA
+
+KVER = "6.1.0-test"
+STACK = ("mlx5_core", "mlx5_ib", "ib_uverbs")  # ib_core comes with them
+
+
+def eventually(pred: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+class RunningAgent:
+    def __init__(self, node: Node) -> None:
+        cfg = Config(host_root=str(node.root), mode="enforce", uevents=False, resync_seconds=30)
+        self.agent = Agent(
+            cfg,
+            module_ops=node.kernel,
+            kernel_log=node.kernel.kernel_messages,
+            wake_sources=[node.kernel.uevent_source],
+            pass_context=lambda: node.sched.world,
+        )
+        self.thread = threading.Thread(target=self.agent.run, daemon=True)
+        self.thread.start()
+        assert self.agent.wait_for_passes(1, 5), "first pass"
+
+    def settle(self) -> None:
+        """Wait for the pass after whatever has just happened."""
+        n = self.agent.passes
+        self.agent.poke.poke("test")
+        assert self.agent.wait_for_passes(n + 1, 5)
+
+    def stop(self) -> None:
+        self.agent.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path, KVER, seed=0)
+    n.kernel.init_delay = n.kernel.exit_delay = 0.0
+    n.install(MOFED_2507, RDMA_MODULES, "mofed")
+    n.write_headers(MOFED_2507, RDMA_MODULES)
+    n.install(NVIDIA, GPU_MODULES, "gpu", against=n.headers())
+    with n.sched.world:
+        for m in STACK:
+            n.kernel.modprobe(m, n.mofed_moddir)
+        n.kernel.modprobe("nvidia", n.gpu_moddir)
+    yield n
+    n.kernel.uevent_source.close()
+
+
+def peermem_live(node: Node) -> bool:
+    with node.sched.world:
+        return node.kernel.is_live("nvidia_peermem")
+
+
+def openibd_restart(node: Node) -> None:
+    """MOFED's openibd restart: the RDMA stack goes and comes back (same generation here)."""
+    with node.sched.world:
+        for m in ("mlx5_ib", "ib_uverbs", "mlx5_core", "ib_core"):
+            node.kernel.remove(m)
+        for m in STACK:
+            node.kernel.modprobe(m, node.mofed_moddir)
+
+
+def test_flag_loads_blacklist_unloads(node: Node) -> None:
+    agent = RunningAgent(node)
+    try:
+        assert not peermem_live(node)
+        assert not (node.root / GATE).exists()
+        node.write(READY)  # MOFED: "Setting driver ready state"
+        eventually(lambda: peermem_live(node), "nvidia_peermem loaded after the ready flag")
+        eventually(lambda: (node.root / GATE).exists(), "gate file published")
+        node.write_blacklist()  # MOFED: openibd restart begins
+        eventually(lambda: not peermem_live(node), "nvidia_peermem unloaded on the blacklist")
+        eventually(lambda: not (node.root / GATE).exists(), "gate file withdrawn")
+        records = [
+            json.loads(line)
+            for line in (node.root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
+        ]
+        actions = [(r["action"], r["ok"]) for r in records if r["kind"] == "action"]
+        assert actions[0][0].startswith("load nvidia_peermem from run/nvidia/driver/")
+        assert actions == [(actions[0][0], True), ("unload nvidia_peermem", True)]
+    finally:
+        agent.stop()
+
+
+def test_agent_restarted_mid_restart_converges(node: Node) -> None:
+    """Stopped while MOFED restarts; the stack reloads behind its back; the flag is stale."""
+    agent = RunningAgent(node)
+    node.write(READY)
+    eventually(lambda: peermem_live(node), "first load")
+    node.write_blacklist()
+    eventually(lambda: not peermem_live(node), "unload on restart")
+    agent.stop()
+
+    # While the agent is down, openibd restart finishes; MOFED removes the blacklist
+    # but has not re-created the ready flag yet: the old flag is stale.
+    openibd_restart(node)
+    node.remove(BLACKLIST)
+
+    agent = RunningAgent(node)
+    try:
+        agent.settle()
+        assert not peermem_live(node), "a stale flag must not open the gate after a restart"
+        status = json.loads((node.root / "run/nodeagent/status.json").read_text())
+        assert status["guards"]["peermem"]["verdict"] == "closed"
+        assert any("stale" in r for r in status["guards"]["peermem"]["reasons"])
+        node.write(READY)  # MOFED re-creates the flag at the end
+        eventually(lambda: peermem_live(node), "load after the fresh flag")
+        eventually(lambda: (node.root / GATE).exists(), "gate published")
+    finally:
+        agent.stop()
+
+
+def test_agent_restarted_with_peermem_loaded_changes_nothing(node: Node) -> None:
+    agent = RunningAgent(node)
+    node.write(READY)
+    eventually(lambda: peermem_live(node), "load")
+    agent.stop()
+    agent = RunningAgent(node)
+    try:
+        agent.settle()
+        assert peermem_live(node)
+        assert (node.root / GATE).exists()
+        loads = [
+            line
+            for line in (node.root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
+            if '"kind": "action"' in line
+        ]
+        assert len(loads) == 1, "the restarted agent must not load (or unload) again"
+    finally:
+        agent.stop()
+
+
+def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
+    """peermem built against other ib_core headers: the gate stays closed, nothing is tried.
+
+    Without the preflight this is seed 001's EINVAL (the simulator's kernel refuses
+    such a module with the real 'disagrees about version of symbol' lines).
+    """
+    node.install(
+        NVIDIA,
+        GPU_MODULES,
+        "gpu",
+        against={s: c ^ 0xFFFF for s, c in (node.headers() or {}).items()},
+    )
+    agent = RunningAgent(node)
+    try:
+        node.write(READY)
+        eventually(
+            lambda: (
+                json.loads((node.root / "run/nodeagent/status.json").read_text())["guards"][
+                    "peermem"
+                ]["reasons"]
+                != ["MOFED ready flag run/mellanox/drivers/.driver-ready is absent"]
+            ),
+            "a pass after the flag",
+        )
+        agent.settle()
+        status = json.loads((node.root / "run/nodeagent/status.json").read_text())
+        reasons = status["guards"]["peermem"]["reasons"]
+        assert status["guards"]["peermem"]["verdict"] == "closed"
+        assert any(
+            r.startswith("nvidia_peermem needs ib_register_peer_memory_client CRC 0x")
+            and "but the loaded ib_core exports 0x" in r
+            for r in reasons
+        ), reasons
+        timeline = (node.root / "var/lib/nodeagent/timeline.jsonl").read_text()
+        assert '"kind": "action"' not in timeline
+        assert not peermem_live(node)
+    finally:
+        agent.stop()
