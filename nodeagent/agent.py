@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +186,7 @@ class Agent:
     def status_document(
         self,
         snap: NodeSnapshot,
-        verdicts: dict[str, Verdict],
+        verdicts: Mapping[str, Verdict],
         outcomes: Sequence[ActionOutcome],
     ) -> dict[str, Any]:
         return {

@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q -e '.[test]' >/dev/null 2>&1 || .venv/bin/python -m pip install -e '.[test]'
 .venv/bin/ruff check nodeagent tests bench
 .venv/bin/ruff format --check nodeagent tests bench
+.venv/bin/mypy nodeagent
 exec .venv/bin/pytest -q -rs "$@"

@@ -91,7 +91,7 @@ class _WorldLock:
 class Actor:
     """A thread that runs only when the scheduler resumes it."""
 
-    def __init__(self, sched: Scheduler, name: str, body: Callable[[], None]) -> None:
+    def __init__(self, sched: Scheduler, name: str, body: Callable[[], object]) -> None:
         self.sched = sched
         self.name = name
         self.body = body
@@ -177,7 +177,7 @@ class Scheduler:
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         self.call_at(self._now + max(0.0, delay), fn)
 
-    def spawn(self, name: str, body: Callable[[], None], delay: float = 0.0) -> Actor:
+    def spawn(self, name: str, body: Callable[[], object], delay: float = 0.0) -> Actor:
         actor = Actor(self, name, body)
         actor.thread.start()
         self._actors[actor.thread.ident or 0] = actor

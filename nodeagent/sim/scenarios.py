@@ -18,6 +18,7 @@ the timeline and a verdict.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -209,7 +210,7 @@ def _storage_module_race(node: Node, agent: bool) -> Cast:
         (20.0, ("mlx5_core", "mlx5_ib"), "PCI enumeration (udev)"),
         (30.0, ("sunrpc",), "NFS client (nfs-bundle)"),
     ):
-        sched.spawn(why, lambda m=mods, w=why: host_modprobe(node, m, w), delay=t - sched.now())
+        sched.spawn(why, functools.partial(host_modprobe, node, mods, why), delay=t - sched.now())
     sched.spawn("nfs-mount", nfs_mount(node), delay=1107 - sched.now())
     mofed = mofed_container(node, MofedSpec(MOFED_2501, "25.01-0.6.0.0"))
     gpu = gpu_driver_container(node, GpuSpec(NVIDIA, agent=agent, manager_s=15, build_s=120))
