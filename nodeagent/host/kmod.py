@@ -123,6 +123,10 @@ class _Lib:
         self.kmod_set_log_priority = fn("kmod_set_log_priority", None, vp, ci)
         self.new_from_path = fn("kmod_module_new_from_path", ci, vp, cp, pvp)
         self.new_from_name = fn("kmod_module_new_from_name", ci, vp, cp, pvp)
+        self.new_from_lookup = fn("kmod_module_new_from_lookup", ci, vp, cp, pvp)
+        self.list_next = fn("kmod_list_next", vp, vp, vp)
+        self.module_get_module = fn("kmod_module_get_module", vp, vp)
+        self.module_unref_list = fn("kmod_module_unref_list", ci, vp)
         self.module_unref = fn("kmod_module_unref", vp, vp)
         self.module_get_name = fn("kmod_module_get_name", cp, vp)
         self.insert_module = fn("kmod_module_insert_module", ci, vp, cu, cp)
@@ -175,6 +179,28 @@ class LibKmod:
             raise ModuleOpError(op, module, err, path)
         return mod.value
 
+    def _lookup(self, op: str, name: str, ctx: int, moddir: str) -> list[int]:
+        """The modules ``name`` stands for (a module name or an alias); ENOENT when none."""
+        head = ctypes.c_void_p()
+        rc = self._lib.new_from_lookup(ctx, name.encode(), ctypes.byref(head))
+        mods: list[int] = []
+        try:
+            entry = head.value
+            while entry and rc == 0:
+                mod = self._lib.module_get_module(entry)
+                if mod:
+                    mods.append(int(mod))
+                entry = self._lib.list_next(head, entry)
+        finally:
+            if head.value:
+                self._lib.module_unref_list(head)
+        if rc < 0 or not mods:
+            for mod in mods:
+                self._lib.module_unref(mod)
+            err = -rc if rc < 0 else errno_mod.ENOENT
+            raise ModuleOpError(op, name, err, f"not found in {moddir}")
+        return mods
+
     def insert_file(self, path: str, params: Sequence[str]) -> None:
         abspath, name = _check_path(path)
         options = " ".join(_check_params(params))
@@ -201,6 +227,10 @@ class LibKmod:
                 self._lib.module_unref(mod)
         finally:
             self._lib.kmod_unref(ctx)
+        if rc == -errno_mod.EWOULDBLOCK:
+            # delete_module(O_NONBLOCK) says EWOULDBLOCK (EAGAIN) for a module with
+            # holders or references (seen on a real 6.1 kernel); rmmod calls it "in use".
+            raise ModuleOpError("unload", name, errno_mod.EBUSY, "in use (EWOULDBLOCK)")
         if rc:
             raise ModuleOpError("unload", name, -rc if rc < 0 else errno_mod.EIO)
 
@@ -220,14 +250,20 @@ class LibKmod:
 
         callback = self._lib.print_action_t(on_action)
         ctx = self._ctx("probe", name, moddir)
+        rc = 0
+        flags |= _KMOD_PROBE_IGNORE_COMMAND
+        opts = options.encode()
         try:
-            mod = self._module("probe", name, ctx)
+            # Names and aliases (xprtrdma -> rpcrdma), as modprobe resolves them.
+            mods = self._lookup("probe", name, ctx, moddir)
             try:
-                rc = self._lib.probe_insert_module(
-                    mod, flags | _KMOD_PROBE_IGNORE_COMMAND, options.encode(), None, None, callback
-                )
+                for mod in mods:
+                    rc = self._lib.probe_insert_module(mod, flags, opts, None, None, callback)
+                    if rc and rc != -errno_mod.EEXIST:
+                        break
             finally:
-                self._lib.module_unref(mod)
+                for mod in mods:
+                    self._lib.module_unref(mod)
         finally:
             self._lib.kmod_unref(ctx)
         if rc > 0:  # a KMOD_PROBE_APPLY_BLACKLIST* code; no blacklist flag is passed
