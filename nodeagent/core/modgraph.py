@@ -34,8 +34,9 @@ def removal_order(modules: Mapping[str, LoadedModule], targets: Iterable[str]) -
     """Order to remove ``targets`` so each goes only after all its holders.
 
     Raises RemovalBlocked, naming the module and its outside holder, when a
-    target is held by a module that is not itself a target. Ties are broken by
-    name so the order is deterministic.
+    target is held by a module that is not itself a target. A module with more
+    references (refcnt) than module holders goes as late as its holders allow.
+    Ties are broken by name so the order is deterministic.
     """
     todo = {t for t in targets if t in modules}
     for name in sorted(todo):
@@ -48,9 +49,18 @@ def removal_order(modules: Mapping[str, LoadedModule], targets: Iterable[str]) -
         free = sorted(n for n in remaining if not any(h in remaining for h in modules[n].holders))
         if not free:  # a holders cycle cannot happen in a real kernel; refuse rather than guess
             raise RemovalBlocked(f"holders cycle among {', '.join(sorted(remaining))}")
-        order.extend(free)
-        remaining.difference_update(free)
+        # More references than module holders: also used from elsewhere, e.g. a crypto
+        # driver a library in the chain took a handle on (seen on 6.1: crc64_rocksoft_generic,
+        # refcnt 1, no holders, let go only when crc64_rocksoft goes). Take those last.
+        plain = [n for n in free if not _extra_refs(modules[n])]
+        batch = plain or free
+        order.extend(batch)
+        remaining.difference_update(batch)
     return order
+
+
+def _extra_refs(mod: LoadedModule) -> bool:
+    return mod.refcnt is not None and mod.refcnt > len(mod.holders)
 
 
 def pulled_in(
