@@ -84,7 +84,7 @@ def _load(moddir: str | os.PathLike[str]) -> dict[str, _Entry] | None:
                 _cache.move_to_end(key)
                 return hit
         with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(_MAX_MODULES_DEP + 1)
+            raw = f.read(min(st.st_size, _MAX_MODULES_DEP) + 1)  # not 64 MiB up front
     except OSError:
         return None
     finally:

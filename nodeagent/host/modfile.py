@@ -436,7 +436,9 @@ def read_module_file(path: str | os.PathLike[str]) -> ModuleFile:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_MODULE_SIZE:
                 raise ModuleFileError(f"{spath}: file size {size} exceeds {MAX_MODULE_SIZE} bytes")
-            data = f.read(MAX_MODULE_SIZE + 1)
+            # In chunks: read(MAX_MODULE_SIZE + 1) allocates 1 GiB up front
+            # (MemoryError on a 1 GiB guest).
+            data = _read_limited(f, spath)
     except OSError as exc:
         raise ModuleFileError(_one_line(f"{spath}: cannot read: {exc.strerror or exc}")) from exc
     return parse_module_bytes(decompress_module(data, spath), spath)
