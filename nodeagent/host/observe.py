@@ -146,15 +146,7 @@ class Observer:
             parsed = self._parse_ko(Path(found))
             if isinstance(parsed, str):
                 return DiskModule(name=name, path=rel, problem=parsed)
-            return DiskModule(
-                name=name,
-                path=rel,
-                srcversion=parsed.srcversion.upper() if parsed.srcversion else None,
-                build_id=parsed.build_id,
-                depends=parsed.depends,
-                required_crcs=MappingProxyType(dict(parsed.required_crcs)),
-                exported_crcs=MappingProxyType(dict(parsed.exported_crcs)),
-            )
+            return disk_module(parsed, rel, name)
         return DiskModule(
             name=name, path=None, problem=f"not in modules.dep under {' or '.join(dirs)}"
         )
@@ -215,6 +207,19 @@ class Observer:
             disk=_freeze(disk),
             problems=tuple(problems),
         )
+
+
+def disk_module(parsed: ModuleFile, rel: str | None = None, name: str | None = None) -> DiskModule:
+    """A parsed .ko as the guards see it; ``rel`` is its path under the host root (default: /)."""
+    return DiskModule(
+        name=name or parsed.name,
+        path=rel if rel is not None else parsed.path.lstrip("/"),
+        srcversion=parsed.srcversion.upper() if parsed.srcversion else None,
+        build_id=parsed.build_id,
+        depends=parsed.depends,
+        required_crcs=MappingProxyType(dict(parsed.required_crcs)),
+        exported_crcs=MappingProxyType(dict(parsed.exported_crcs)),
+    )
 
 
 def _freeze(d: dict[str, DiskModule]) -> Mapping[str, DiskModule]:
