@@ -8,4 +8,9 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check nodeagent tests bench
 .venv/bin/ruff format --check nodeagent tests bench
 .venv/bin/mypy nodeagent
+# The real-kernel environment (QEMU, kmod's tools, a Debian kernel in ~/.cache),
+# prepared up front so every test sees the same machine; if it cannot be had
+# (not root, no apt) the real-kernel tests skip with the reason.
+.venv/bin/python -m tests.realkernel.setup >/dev/null \
+  || echo "real-kernel setup unavailable: those tests will be skipped (reason above)" >&2
 exec .venv/bin/pytest -q -rs "$@"

@@ -44,7 +44,8 @@ GUEST_INIT = f"""#!/bin/bash
 export PATH={GUEST_PATH} HOME=/root TERM=dumb LANG=C.UTF-8
 S={GUEST_SHARED}
 mount -t tmpfs tmpfs /run
-mount -t tmpfs tmpfs /tmp
+# No tmpfs over /tmp: the overlay root is writable already, and a checkout
+# (or a CI clone) under the host's /tmp must stay visible.
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs tmpfs /dev/shm
