@@ -61,7 +61,11 @@ class Poke:
                 pass
         with self._lock:
             out, self._pending = self._pending, []
+            self._taken(out)
         return out
+
+    def _taken(self, out: list[str]) -> None:
+        """Called under the lock with what a drain took (for subclasses that count)."""
 
     def close(self) -> None:
         with self._lock:

@@ -33,12 +33,12 @@ import os
 import shutil
 import struct
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from nodeagent.core.names import validate_module_name, validate_module_param
+from nodeagent.host.events import Poke
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import (
@@ -88,39 +88,30 @@ class KernelLine:
     text: str
 
 
-class WakePipe:
-    """A pipe-backed wake source (``fileno()``/``drain()``), as the agent's ``Waker`` wants.
+class WakePipe(Poke):
+    """The agent's self-pipe wake source, counting what was pushed and drained.
 
-    ``produced``/``consumed`` count pushes and drained pushes; ``on_drain`` runs
+    ``produced``/``consumed`` count pushes and drained pushes (updated under the
+    same lock as the pending list, so ``pending`` is exact); ``on_drain`` runs
     in the draining thread (the simulator uses it to know a pass is coming).
     """
 
     def __init__(self) -> None:
-        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._lock = threading.Lock()
-        self._pending: deque[str] = deque()
+        super().__init__()
         self.produced = 0
         self.consumed = 0
         self.on_drain: Callable[[int], None] | None = None
 
-    def fileno(self) -> int:
-        return self._r
-
     def push(self, description: str) -> None:
         with self._lock:
-            self._pending.append(description)
             self.produced += 1
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._w, b"\0")
+            self.poke(description)
+
+    def _taken(self, out: list[str]) -> None:
+        self.consumed = self.produced
 
     def drain(self) -> list[str]:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._r, 4096):
-                pass
-        with self._lock:
-            out = list(self._pending)
-            self._pending.clear()
-            self.consumed = self.produced
+        out = super().drain()
         if self.on_drain is not None:
             self.on_drain(len(out))
         return out
@@ -128,11 +119,6 @@ class WakePipe:
     @property
     def pending(self) -> int:
         return self.produced - self.consumed
-
-    def close(self) -> None:
-        for fd in (self._r, self._w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 @dataclass
