@@ -34,6 +34,14 @@ def require_toolchain() -> None:
         pytest.skip(f"gcc-built module fixtures: {reason}")
 
 
+def require_tool(tool: str, package: str = "kmod") -> None:
+    """Skip (printing why) when a command-line tool the test needs is not installed."""
+    if shutil.which(tool) is None:
+        reason = f"{tool} not installed (apt-get install -y {package})"
+        print(f"skipping: {reason}")
+        pytest.skip(reason)
+
+
 def _c_string(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

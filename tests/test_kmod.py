@@ -29,6 +29,7 @@ from nodeagent.host.kmod import (
     errno_from_message,
 )
 from nodeagent.sim.kofile import write_module_file
+from tests.kobuild import require_tool
 
 KVER = "6.1.0-test-amd64"
 
@@ -262,9 +263,7 @@ def test_modprobe_tools_missing_tool_and_timeout(monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture(scope="module")
 def depmod_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("depmod") is None:
-        print("skipping depmod-indexed trees: depmod not installed (apt-get install -y kmod)")
-        pytest.skip("depmod not installed (apt-get install -y kmod)")
+    require_tool("depmod")
     root = tmp_path_factory.mktemp("root")
     moddir = root / "lib" / "modules" / KVER
     (moddir / "kernel").mkdir(parents=True)

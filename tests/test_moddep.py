@@ -13,6 +13,7 @@ from nodeagent.host import moddep
 from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import read_module_file
 from nodeagent.sim.kofile import write_module_file
+from tests.kobuild import require_tool
 
 KVER = "6.1.0-test-amd64"
 
@@ -20,9 +21,7 @@ KVER = "6.1.0-test-amd64"
 @pytest.fixture(scope="module")
 def depmod_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A <root>/lib/modules/<kver> tree indexed by the real depmod."""
-    if shutil.which("depmod") is None:
-        print("skipping depmod-indexed trees: depmod not installed (apt-get install -y kmod)")
-        pytest.skip("depmod not installed (apt-get install -y kmod)")
+    require_tool("depmod")
     root = tmp_path_factory.mktemp("root")
     moddir = root / "lib" / "modules" / KVER
     core = moddir / "kernel" / "drivers" / "infiniband" / "core"
