@@ -200,3 +200,15 @@ class _NoOps:
 
     def probe(self, name: str, moddir: str, params: object = ()) -> None:
         raise AssertionError("observe-mode agent must not probe")
+
+
+def test_unknown_module_in_config_is_a_closed_reason_naming_it(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = root / "c.toml"
+    cfg.write_text('[peermem]\nrdma_stack = ["mlx5_core", "no_such_module"]\n')
+    rc = main(["check", "--host-root", str(root), "--config", str(cfg), "--json"])
+    out = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in out.err
+    reasons = json.loads(out.out)["guards"]["peermem"]["reasons"]
+    assert "no_such_module is not loaded" in reasons
