@@ -89,6 +89,7 @@ class Agent:
             log.warning(p)
             self.record({"kind": "state-problem", "problem": p})
         self._last_signature: Any = None
+        self._saved_memory: dict[str, Any] | None = None
         self.passes = 0
         self._pass_done = threading.Condition()
 
@@ -123,6 +124,9 @@ class Agent:
         snap = self.observer.observe(now)
         rec = self.reconciler.decide(snap, self.memory)
         memory = rec.memory
+        # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
+        # stale") is on disk before any action runs, so dying mid-action loses nothing.
+        self._save_memory(memory)
         enforce = self.cfg.mode == "enforce"
         outcomes: list[ActionOutcome] = []
         for action in rec.actions:
@@ -137,7 +141,8 @@ class Agent:
             tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
             tuple(a.describe() for a in rec.actions),
         )
-        if signature != self._last_signature or rec.events or outcomes:
+        changed = signature != self._last_signature
+        if changed or rec.events or any(o.performed for o in outcomes):
             for guard, verdict in rec.verdicts.items():
                 self.record(
                     {
@@ -155,6 +160,8 @@ class Agent:
                 )
             self._last_signature = signature
         for o in outcomes:
+            if not o.performed and not changed:
+                continue  # observe mode: the same undone action is recorded once, not per pass
             self.record(
                 {
                     "kind": "action",
@@ -170,8 +177,8 @@ class Agent:
             )
 
         self.memory = memory
+        self._save_memory(memory)
         try:
-            self.state.save_memory(self.reconciler, memory)
             self.state.publish(
                 self.status_document(snap, rec.verdicts, outcomes),
                 {g: v.is_open for g, v in rec.verdicts.items()},
@@ -182,6 +189,16 @@ class Agent:
             self.passes += 1
             self._pass_done.notify_all()
         return PassResult(snap, dict(rec.verdicts), tuple(outcomes), rec.wake_at)
+
+    def _save_memory(self, memory: AgentMemory) -> None:
+        doc = self.reconciler.memory_to_json(memory)
+        if doc == self._saved_memory:
+            return
+        try:
+            self.state.save_memory(doc)
+            self._saved_memory = doc
+        except OSError as exc:
+            log.error("state write failed: %s", exc)
 
     def status_document(
         self,

@@ -197,3 +197,58 @@ def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
         assert not peermem_live(node)
     finally:
         agent.stop()
+
+
+class _Crash(BaseException):
+    """The agent process dying in the middle of an action (not an error it could catch)."""
+
+
+class _CrashingKernel:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def insert_file(self, path: str, params: object) -> None:
+        self.node.kernel.insert_file(path, params)  # type: ignore[arg-type]
+
+    def remove(self, name: str) -> None:
+        raise _Crash(name)
+
+    def probe(self, name: str, moddir: str, params: object = ()) -> None:
+        raise AssertionError("not used")
+
+
+def one_pass_agent(node: Node, ops: object, mode: str = "enforce") -> Agent:
+    cfg = Config(host_root=str(node.root), mode=mode, uevents=False)
+    return Agent(cfg, module_ops=ops, kernel_log=node.kernel.kernel_messages)  # type: ignore[arg-type]
+
+
+def test_crash_mid_action_keeps_what_the_pass_learned(node: Node) -> None:
+    """The restart is persisted before the unload runs: a crash there cannot make the flag fresh."""
+    node.write(READY)
+    one_pass_agent(node, node.kernel).run_pass()
+    assert peermem_live(node)
+    with node.sched.world:  # openibd restart begins: mlx5_core leaves (flag still there)
+        node.kernel.remove("mlx5_ib")
+        node.kernel.remove("mlx5_core")
+    with pytest.raises(_Crash):
+        one_pass_agent(node, _CrashingKernel(node)).run_pass()  # dies unloading peermem
+    with node.sched.world:  # the stack comes back while the agent is down; same old flag
+        for m in ("mlx5_core", "mlx5_ib"):
+            node.kernel.modprobe(m, node.mofed_moddir)
+    result = one_pass_agent(node, node.kernel).run_pass()
+    verdict = result.verdicts["peermem"]
+    assert verdict.verdict == "closed"
+    assert any("stale" in r for r in verdict.reasons), verdict.reasons
+
+
+def test_observe_mode_records_an_undone_action_once(node: Node) -> None:
+    node.write(READY)
+    agent = one_pass_agent(node, node.kernel, mode="observe")
+    for _ in range(5):
+        agent.run_pass()
+    assert not peermem_live(node), "observe mode must not load"
+    timeline = (node.root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
+    actions = [json.loads(line) for line in timeline if '"kind": "action"' in line]
+    assert [(a["action"].split(" from ")[0], a["performed"]) for a in actions] == [
+        ("load nvidia_peermem", False)
+    ]

@@ -63,8 +63,9 @@ class StateStore:
             where = f"could not move it aside: {exc.strerror}"
         return f"{self.memory_rel}: {why}; {where}; starting from fresh memory"
 
-    def save_memory(self, reconciler: Reconciler, memory: AgentMemory) -> None:
-        doc = {"version": STATE_VERSION, "guards": reconciler.memory_to_json(memory)}
+    def save_memory(self, guards: Mapping[str, Any]) -> None:
+        """``guards``: the reconciler's ``memory_to_json`` document."""
+        doc = {"version": STATE_VERSION, "guards": guards}
         self.host.write_atomic(self.memory_rel, _dumps(doc))
 
     def publish(self, status: Mapping[str, Any], gates: Mapping[str, bool]) -> None:
