@@ -48,6 +48,13 @@ def test_healthy_node_opens_and_loads_peermem_from_the_gpu_driver_root() -> None
     assert d.actions[0].path.startswith("run/nvidia/driver/")
 
 
+def test_evidence_carries_the_gpu_markers_and_the_mofed_lock() -> None:
+    snap = replace(healthy(), validations=(".driver-ctr-ready", "toolkit-ready"))
+    ev = decide(snap).verdict.evidence
+    assert ev["gpu_validations"] == [".driver-ctr-ready", "toolkit-ready"]
+    assert ev["mofed_lock_present"] is False
+
+
 def test_load_carries_configured_parameters() -> None:
     gate = PeermemGate(PeermemPolicy(load_params=("peerdirect_support=0",)))
     (action,) = decide(healthy(), gate=gate).actions

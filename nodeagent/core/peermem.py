@@ -233,6 +233,11 @@ class PeermemGate:
             memory = replace(memory, restart_pending=False, stale_flag=None)
         memory = replace(memory, last_signals=signals)
 
+        # Context for the operator (not conditions): the GPU stack's own markers and
+        # whether MOFED holds its lock.
+        evidence["gpu_validations"] = list(snap.validations)
+        evidence["mofed_lock_present"] = snap.mofed_lock.present
+
         # 1. nvidia
         nvidia = snap.module(NVIDIA)
         evidence["nvidia"] = _module_evidence(nvidia)
