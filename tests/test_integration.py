@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +76,13 @@ def node(tmp_path: Path) -> Iterator[Node]:
     n.kernel.uevent_source.close()
 
 
+def action_records(node: Node) -> list[dict[str, Any]]:
+    """The agent's action records, in order, from its timeline."""
+    timeline = node.root / "var/lib/nodeagent/timeline.jsonl"
+    records = [json.loads(line) for line in timeline.read_text().splitlines()]
+    return [r for r in records if r["kind"] == "action"]
+
+
 def peermem_live(node: Node) -> bool:
     with node.sched.world:
         return node.kernel.is_live("nvidia_peermem")
@@ -100,11 +108,7 @@ def test_flag_loads_blacklist_unloads(node: Node) -> None:
         node.write_blacklist()  # MOFED: openibd restart begins
         eventually(lambda: not peermem_live(node), "nvidia_peermem unloaded on the blacklist")
         eventually(lambda: not (node.root / GATE).exists(), "gate file withdrawn")
-        records = [
-            json.loads(line)
-            for line in (node.root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
-        ]
-        actions = [(r["action"], r["ok"]) for r in records if r["kind"] == "action"]
+        actions = [(r["action"], r["ok"]) for r in action_records(node)]
         assert actions[0][0].startswith("load nvidia_peermem from run/nvidia/driver/")
         assert actions == [(actions[0][0], True), ("unload nvidia_peermem", True)]
     finally:
@@ -149,12 +153,7 @@ def test_agent_restarted_with_peermem_loaded_changes_nothing(node: Node) -> None
         agent.settle()
         assert peermem_live(node)
         assert (node.root / GATE).exists()
-        loads = [
-            line
-            for line in (node.root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
-            if '"kind": "action"' in line
-        ]
-        assert len(loads) == 1, "the restarted agent must not load (or unload) again"
+        assert len(action_records(node)) == 1, "the restarted agent must not load or unload again"
     finally:
         agent.stop()
 
@@ -192,8 +191,7 @@ def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
             and "but the loaded ib_core exports 0x" in r
             for r in reasons
         ), reasons
-        timeline = (node.root / "var/lib/nodeagent/timeline.jsonl").read_text()
-        assert '"kind": "action"' not in timeline
+        assert action_records(node) == []
         assert not peermem_live(node)
     finally:
         agent.stop()
@@ -247,8 +245,6 @@ def test_observe_mode_records_an_undone_action_once(node: Node) -> None:
     for _ in range(5):
         agent.run_pass()
     assert not peermem_live(node), "observe mode must not load"
-    timeline = (node.root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
-    actions = [json.loads(line) for line in timeline if '"kind": "action"' in line]
-    assert [(a["action"].split(" from ")[0], a["performed"]) for a in actions] == [
+    assert [(a["action"].split(" from ")[0], a["performed"]) for a in action_records(node)] == [
         ("load nvidia_peermem", False)
     ]
