@@ -22,9 +22,14 @@ def normalize_module_name(name: str) -> str:
     return name.replace("-", "_")
 
 
+def is_module_name(name: object) -> bool:
+    """Could the kernel have a module of this name (e.g. a /sys/module entry)?"""
+    return isinstance(name, str) and _MODULE_NAME.fullmatch(name) is not None
+
+
 def validate_module_name(name: str) -> str:
     """Return the normalized name, or raise NodeagentError naming the bad value."""
-    if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name):
+    if not is_module_name(name):
         raise NodeagentError(
             f"invalid kernel module name {name!r}: expected 1-55 characters of [A-Za-z0-9_-]"
         )

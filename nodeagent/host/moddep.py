@@ -23,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from nodeagent.core.names import normalize_module_name
+
 __all__ = ["find_module", "module_dependencies"]
 
 _MAX_MODULES_DEP = 64 << 20
@@ -45,7 +47,7 @@ def _module_name(path: str) -> str | None:
     base = path.rsplit("/", 1)[-1]
     for suffix in _SUFFIXES:
         if base.endswith(suffix) and len(base) > len(suffix):
-            return base[: -len(suffix)].replace("-", "_")
+            return normalize_module_name(base[: -len(suffix)])
     return None
 
 
@@ -131,7 +133,7 @@ def find_module(moddir: str | os.PathLike[str], name: str) -> Path | None:
     entries = _load(moddir)
     if entries is None:
         return None
-    entry = entries.get(name.replace("-", "_"))
+    entry = entries.get(normalize_module_name(name))
     if entry is None:
         return None
     return _inside(os.fspath(moddir), entry.relpath)
@@ -146,5 +148,5 @@ def module_dependencies(moddir: str | os.PathLike[str], name: str) -> tuple[str,
     entries = _load(moddir)
     if entries is None:
         return ()
-    entry = entries.get(name.replace("-", "_"))
+    entry = entries.get(normalize_module_name(name))
     return entry.deps if entry is not None else ()

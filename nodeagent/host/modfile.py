@@ -30,6 +30,7 @@ from typing import Protocol
 
 import zstandard
 
+from nodeagent.core.names import normalize_module_name
 from nodeagent.errors import NodeagentError
 
 __all__ = [
@@ -127,7 +128,7 @@ def module_name_from_path(path: str | os.PathLike[str]) -> str:
             break
     if base.endswith(".ko"):
         base = base[:-3]
-    return base.replace("-", "_")
+    return normalize_module_name(base)
 
 
 class _Elf:
@@ -374,10 +375,10 @@ def parse_module_bytes(data: bytes, path: str) -> ModuleFile:
     except (struct.error, IndexError, ValueError, OverflowError) as exc:  # defence in depth
         raise ModuleFileError(_one_line(f"{path}: malformed ELF file: {exc}")) from exc
     name = info.get("name") or module_name_from_path(path)
-    depends = tuple(d.strip().replace("-", "_") for d in info.get("depends", "").split(","))
+    depends = tuple(normalize_module_name(d.strip()) for d in info.get("depends", "").split(","))
     return ModuleFile(
         path=path,
-        name=name.replace("-", "_"),
+        name=normalize_module_name(name),
         srcversion=info.get("srcversion") or None,
         vermagic=info.get("vermagic") or None,
         depends=tuple(d for d in depends if d),

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 from nodeagent.config import Config
-from nodeagent.core.names import normalize_module_name
+from nodeagent.core.names import is_module_name, normalize_module_name
 from nodeagent.core.peermem import PEERMEM
 from nodeagent.core.snapshot import DiskModule, LoadedModule, NodeSnapshot
 from nodeagent.host.fs import HostRoot
@@ -30,7 +29,6 @@ from nodeagent.host.modfile import (
 
 INITSTATES = ("live", "coming", "going")
 _SRCVERSION = re.compile(r"[0-9A-Fa-f]{1,64}")
-_MODDIR_NAME = re.compile(r"[A-Za-z0-9_-]{1,55}")
 
 
 class Observer:
@@ -43,7 +41,6 @@ class Observer:
 
     def read_loaded_modules(self) -> tuple[dict[str, LoadedModule], list[str]]:
         base = self.cfg.paths.sys_module
-        problems: list[str] = []
         modules: dict[str, LoadedModule] = {}
         try:
             entries = os.listdir(self.host.path(base))
@@ -55,11 +52,11 @@ class Observer:
             mod = self.read_loaded_module(name)
             if mod is not None:
                 modules[mod.name] = mod
-        return modules, problems
+        return modules, []
 
     def read_loaded_module(self, name: str) -> LoadedModule | None:
         """None for builtin modules (no initstate) and for names the kernel cannot have made."""
-        if not _MODDIR_NAME.fullmatch(name):
+        if not is_module_name(name):
             return None
         d = f"{self.cfg.paths.sys_module}/{name}"
         problems: list[str] = []
@@ -101,9 +98,7 @@ class Observer:
             except ModuleFileError as exc:
                 problems.append(str(exc))
         holders = tuple(
-            normalize_module_name(h)
-            for h in self.host.listdir(f"{d}/holders")
-            if _MODDIR_NAME.fullmatch(h)
+            normalize_module_name(h) for h in self.host.listdir(f"{d}/holders") if is_module_name(h)
         )
         return LoadedModule(
             name=normalize_module_name(name),
@@ -192,8 +187,7 @@ class Observer:
         wanted = [*self.cfg.peermem.rdma_stack, PEERMEM]
         for name in wanted:
             disk[name] = self.read_disk_module(name, kernel)
-        for dep in disk[PEERMEM].depends:
-            dep = normalize_module_name(dep)
+        for dep in disk[PEERMEM].depends:  # normalized by the .ko reader
             if dep not in disk:
                 disk[dep] = self.read_disk_module(dep, kernel)
         return NodeSnapshot(
@@ -204,7 +198,7 @@ class Observer:
             mofed_blacklist=self.host.file_fact(paths.mofed_blacklist),
             mofed_lock=self.host.file_fact(paths.mofed_lock),
             validations=tuple(self.host.listdir(paths.validations)),
-            disk=_freeze(disk),
+            disk=MappingProxyType(disk),
             problems=tuple(problems),
         )
 
@@ -220,7 +214,3 @@ def disk_module(parsed: ModuleFile, rel: str | None = None, name: str | None = N
         required_crcs=MappingProxyType(dict(parsed.required_crcs)),
         exported_crcs=MappingProxyType(dict(parsed.exported_crcs)),
     )
-
-
-def _freeze(d: dict[str, DiskModule]) -> Mapping[str, DiskModule]:
-    return MappingProxyType(d)

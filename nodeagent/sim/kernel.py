@@ -37,7 +37,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from nodeagent.core.names import validate_module_name, validate_module_param
+from nodeagent.core.names import (
+    normalize_module_name,
+    validate_module_name,
+    validate_module_param,
+)
 from nodeagent.host.events import Poke
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.host.moddep import find_module, module_dependencies
@@ -310,7 +314,7 @@ class SimKernel:
     # -- module state ---------------------------------------------------------
 
     def module(self, name: str) -> ModState | None:
-        return self.modules.get(name.replace("-", "_"))
+        return self.modules.get(normalize_module_name(name))
 
     def is_live(self, name: str) -> bool:
         m = self.module(name)
@@ -527,7 +531,7 @@ class SimKernel:
                 for line in conf.read_text().splitlines():
                     parts = line.split(None, 2)
                     if len(parts) == 3 and parts[0] == "install":
-                        rules.setdefault(parts[1].replace("-", "_"), parts[2].strip())
+                        rules.setdefault(normalize_module_name(parts[1]), parts[2].strip())
         return rules
 
     # -- references that are not modules (a mount, an open device) -------------
