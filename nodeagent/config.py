@@ -88,18 +88,7 @@ def _module_list(key: str, value: Any) -> tuple[str, ...]:
 
 def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> Config:
     cfg = base or Config()
-    top_known = {
-        "host_root",
-        "mode",
-        "resync_seconds",
-        "timeline_max_bytes",
-        "timeline_keep",
-        "kmsg",
-        "uevents",
-        "paths",
-        "peermem",
-    }
-    _reject_unknown("", data, top_known)
+    _reject_unknown("", data, {f.name for f in fields(Config)})
     changes: dict[str, Any] = {}
     if "host_root" in data:
         changes["host_root"] = _host_root(data["host_root"])
