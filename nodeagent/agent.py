@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,15 @@ from nodeagent.core.guard import Verdict
 from nodeagent.core.peermem import PeermemGate
 from nodeagent.core.reconcile import AgentMemory, Reconciler
 from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.core.sriov import SriovGuard, SriovMemory
+from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOps, default_module_ops
+from nodeagent.host.netlink import PyrouteOps, SriovOps
 from nodeagent.host.observe import Observer
+from nodeagent.host.sriov import SriovActuator, SriovObserver, SriovStore
 from nodeagent.host.state import StateStore
 from nodeagent.timeline import Timeline
 
@@ -36,7 +40,16 @@ log = logging.getLogger("nodeagent")
 
 
 def build_reconciler(cfg: Config) -> Reconciler:
-    return Reconciler([PeermemGate(cfg.peermem)])
+    return Reconciler(
+        [PeermemGate(cfg.peermem), SriovGuard(replace(cfg.sriov, mofed=cfg.peermem.mofed))]
+    )
+
+
+def sriov_host(
+    cfg: Config, host: HostRoot, ops: SriovOps | None
+) -> tuple[SriovObserver, SriovStore]:
+    store = SriovStore(host, cfg.paths.sriov_snapshot)
+    return SriovObserver(host, ops, store, cfg.paths.sriov_cni_cache), store
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class Agent:
         pass_context: Callable[[], AbstractContextManager[object]] | None = None,
         on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        sriov_ops: SriovOps | None = None,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
@@ -71,10 +85,15 @@ class Agent:
         self.on_record = on_record
         self.host = HostRoot(cfg.host_root)
         self.clock = clock
-        self.observer = Observer(self.host, cfg)
+        self.sriov_ops = sriov_ops or PyrouteOps(self.host)
+        sriov_observer, self.sriov_store = sriov_host(cfg, self.host, self.sriov_ops)
+        self.observer = Observer(self.host, cfg, sriov_observer)
         self.reconciler = build_reconciler(cfg)
         self.actuator = Actuator(
-            self.host, module_ops or default_module_ops(), kernel_log or kmsg_reader(cfg.kmsg)
+            self.host,
+            module_ops or default_module_ops(),
+            kernel_log or kmsg_reader(cfg.kmsg),
+            sriov=SriovActuator(self.host, self.sriov_ops),
         )
         self.state = StateStore(self.host, cfg.paths.state_dir)
         self.timeline = Timeline(
@@ -178,6 +197,7 @@ class Agent:
 
         self.memory = memory
         self._save_memory(memory)
+        self._keep_sriov_snapshot(memory)
         try:
             self.state.publish(
                 self.status_document(snap, rec.verdicts, outcomes),
@@ -189,6 +209,20 @@ class Agent:
             self.passes += 1
             self._pass_done.notify_all()
         return PassResult(snap, dict(rec.verdicts), tuple(outcomes), rec.wake_at)
+
+    def _keep_sriov_snapshot(self, memory: AgentMemory) -> None:
+        """Bookkeeping after the pass's actions: the VF snapshot file follows the guard's memory."""
+        for report in self.sriov_store.reports:
+            log.warning(report)
+            self.record({"kind": "state-problem", "problem": report})
+        self.sriov_store.reports.clear()
+        sriov = memory.get("sriov")
+        if not isinstance(sriov, SriovMemory):
+            return
+        try:
+            self.sriov_store.save({pci: m.saved for pci, m in sriov.pfs.items()})
+        except (OSError, NodeagentError) as exc:
+            log.error("SR-IOV snapshot write failed: %s", exc)
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)

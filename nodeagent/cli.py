@@ -104,8 +104,9 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
 
 
 def cmd_check(cfg: Config, as_json: bool) -> int:
-    from nodeagent.agent import build_reconciler
+    from nodeagent.agent import build_reconciler, sriov_host
     from nodeagent.host.fs import HostRoot
+    from nodeagent.host.netlink import PyrouteOps
     from nodeagent.host.observe import Observer
     from nodeagent.host.state import StateStore
 
@@ -113,7 +114,9 @@ def cmd_check(cfg: Config, as_json: bool) -> int:
     reconciler = build_reconciler(cfg)
     # Read-only use of the daemon's memory, so a stale flag is judged as the daemon would.
     memory, problems = StateStore(host, cfg.paths.state_dir).load_memory(reconciler, read_only=True)
-    snap = Observer(host, cfg).observe(time.time())
+    # Read-only: the store only reads (a bad snapshot file is reported, not moved, by check).
+    sriov_observer, _store = sriov_host(cfg, host, PyrouteOps(host))
+    snap = Observer(host, cfg, sriov_observer).observe(time.time())
     rec = reconciler.decide(snap, memory)
     doc = {
         "kernel": snap.kernel,

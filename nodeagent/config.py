@@ -15,6 +15,7 @@ from typing import Any
 
 from nodeagent.core.names import validate_module_name, validate_module_param
 from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.core.sriov import NUMVFS_OWNERS, SriovPolicy
 from nodeagent.errors import NodeagentError
 
 MODES = ("observe", "enforce")
@@ -34,6 +35,8 @@ class HostPaths:
     gpu_driver_root: str = "run/nvidia/driver"
     state_dir: str = "run/nodeagent"
     timeline_dir: str = "var/lib/nodeagent"
+    sriov_snapshot: str = "var/lib/nodeagent/sriov.json"
+    sriov_cni_cache: str = "var/lib/cni/sriov"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Config:
     uevents: bool = True
     paths: HostPaths = field(default_factory=HostPaths)
     peermem: PeermemPolicy = field(default_factory=PeermemPolicy)
+    sriov: SriovPolicy = field(default_factory=SriovPolicy)
 
 
 def _check_relpath(key: str, value: Any) -> str:
@@ -119,7 +123,40 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
         changes["paths"] = replace(cfg.paths, **{k: _check_relpath(k, v) for k, v in p.items()})
     if "peermem" in data:
         changes.update(_peermem(data["peermem"], cfg))
+    if "sriov" in data:
+        changes["sriov"] = _sriov(data["sriov"], cfg.sriov)
     return replace(cfg, **changes)
+
+
+# [sriov] key -> (policy field, low, high) for the numbers; the rest are checked below.
+_SRIOV_NUMBERS = {
+    "numvfs_grace_seconds": ("numvfs_grace_s", 0.0, 86400.0),
+    "vf_deadline_seconds": ("vf_deadline_s", 0.1, 86400.0),
+    "retry_base_seconds": ("retry_base_s", 0.01, 3600.0),
+    "retry_max_seconds": ("retry_max_s", 0.01, 86400.0),
+    "poll_seconds": ("poll_s", 0.05, 3600.0),
+    "pf_gone_seconds": ("pf_gone_s", 1.0, 30 * 86400.0),
+    "parallel": ("parallel", 1, 256),
+}
+
+
+def _sriov(s: Any, pol: SriovPolicy) -> SriovPolicy:
+    if not isinstance(s, Mapping):
+        raise NodeagentError("config [sriov] must be a table")
+    _reject_unknown("sriov", s, {"numvfs_owner", *_SRIOV_NUMBERS})
+    if "numvfs_owner" in s:
+        if s["numvfs_owner"] not in NUMVFS_OWNERS:
+            raise NodeagentError(
+                f"config sriov.numvfs_owner: expected one of {', '.join(NUMVFS_OWNERS)}, "
+                f"got {s['numvfs_owner']!r}"
+            )
+        pol = replace(pol, numvfs_owner=s["numvfs_owner"])
+    for key, (attr, lo, hi) in _SRIOV_NUMBERS.items():
+        if key in s:
+            value = _number(f"sriov.{key}", s[key], lo, hi)
+            changes: dict[str, Any] = {attr: int(value) if attr == "parallel" else value}
+            pol = replace(pol, **changes)
+    return pol
 
 
 def _peermem(p: Any, cfg: Config) -> dict[str, Any]:

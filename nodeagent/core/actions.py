@@ -8,6 +8,7 @@ that asked for it and why, so the timeline can show the evidence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,43 @@ class UnloadModule:
         return f"unload {self.module}"
 
 
-Action = LoadModuleFile | UnloadModule
+@dataclass(frozen=True)
+class RestoreVf:
+    """Bring one VF's saved config back: through its PF (netlink), then its own netdev.
+
+    The host resolves the PF and the VF's netdev from their PCI addresses at
+    the time it acts (names change: udev renames a new VF netdev), writes only
+    the fields that differ, and reads every field back.
+    """
+
+    guard: str
+    pf_pci: str
+    index: int
+    vf_pci: str
+    pf_settings: tuple[tuple[str, Any], ...]  # (field, value), set with IFLA_VFINFO_LIST
+    link_settings: tuple[tuple[str, Any], ...]  # (field, value), set on the VF's netdev
+    reason: str
+
+    def describe(self) -> str:
+        return f"restore VF {self.index} ({self.vf_pci}) of {self.pf_pci}"
+
+
+@dataclass(frozen=True)
+class SetNumVfs:
+    """Write ``sriov_numvfs`` (through 0 first when VFs exist: the kernel refuses n -> m)."""
+
+    guard: str
+    pf_pci: str
+    numvfs: int
+    through_zero: bool
+    reason: str
+
+    def describe(self) -> str:
+        via = " (through 0)" if self.through_zero else ""
+        return f"set sriov_numvfs of {self.pf_pci} to {self.numvfs}{via}"
+
+
+Action = LoadModuleFile | UnloadModule | RestoreVf | SetNumVfs
 
 
 @dataclass(frozen=True)
@@ -46,3 +83,5 @@ class ActionOutcome:
     error: str | None = None  # one line, e.g. "Invalid argument (EINVAL)"
     kernel_messages: tuple[str, ...] = ()  # the kernel's own lines about the module
     performed: bool = True  # False in observe mode: decided and recorded, not done
+    # Per-field results of a multi-field action: (field, "written" | "unsupported" | ...).
+    detail: tuple[tuple[str, str], ...] = ()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
+
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -79,6 +81,7 @@ class NodeSnapshot:
     # and the modules nvidia_peermem depends on.
     disk: Mapping[str, DiskModule]
     problems: tuple[str, ...] = ()  # node-wide read problems (e.g. /sys/module unreadable)
+    sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (nodeagent.host.sriov)
 
     def module(self, name: str) -> LoadedModule | None:
         return self.modules.get(name)

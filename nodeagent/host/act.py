@@ -19,10 +19,18 @@ from tenacity import (
     wait_exponential,
 )
 
-from nodeagent.core.actions import Action, ActionOutcome, LoadModuleFile, UnloadModule
+from nodeagent.core.actions import (
+    Action,
+    ActionOutcome,
+    LoadModuleFile,
+    RestoreVf,
+    SetNumVfs,
+    UnloadModule,
+)
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
+from nodeagent.host.sriov import SriovActuator
 
 KernelLog = Callable[[str], list[str]]
 _TRANSIENT = {errno.EAGAIN, errno.EINTR}
@@ -45,7 +53,9 @@ class Actuator:
         kernel_log: KernelLog,
         attempts: int = 3,
         first_wait_s: float = 0.05,
+        sriov: SriovActuator | None = None,
     ) -> None:
+        self.sriov = sriov
         self.host = host
         self.ops = ops
         self.kernel_log = kernel_log
@@ -61,6 +71,10 @@ class Actuator:
         )
 
     def perform(self, action: Action) -> ActionOutcome:
+        if isinstance(action, RestoreVf | SetNumVfs):
+            if self.sriov is None:
+                return ActionOutcome(action=action, ok=False, error="no SR-IOV host access")
+            return self.sriov.perform(action)
         try:
             if isinstance(action, LoadModuleFile):
                 path = str(self.host.path(action.path))

@@ -18,6 +18,7 @@ from nodeagent.config import Config
 from nodeagent.core.names import is_module_name, normalize_module_name
 from nodeagent.core.peermem import PEERMEM
 from nodeagent.core.snapshot import DiskModule, LoadedModule, NodeSnapshot
+from nodeagent.core.sriov_model import EMPTY_SRIOV
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.moddep import find_module
 from nodeagent.host.modfile import (
@@ -26,15 +27,17 @@ from nodeagent.host.modfile import (
     parse_build_id_note,
     read_module_file,
 )
+from nodeagent.host.sriov import SriovObserver
 
 INITSTATES = ("live", "coming", "going")
 _SRCVERSION = re.compile(r"[0-9A-Fa-f]{1,64}")
 
 
 class Observer:
-    def __init__(self, host: HostRoot, cfg: Config) -> None:
+    def __init__(self, host: HostRoot, cfg: Config, sriov: SriovObserver | None = None) -> None:
         self.host = host
         self.cfg = cfg
+        self.sriov = sriov
         self._ko_cache: dict[tuple[str, int, int, int], ModuleFile | str] = {}
 
     # -- loaded modules -----------------------------------------------------
@@ -200,6 +203,7 @@ class Observer:
             validations=tuple(self.host.listdir(paths.validations)),
             disk=MappingProxyType(disk),
             problems=tuple(problems),
+            sriov=self.sriov.observe() if self.sriov is not None else EMPTY_SRIOV,
         )
 
 

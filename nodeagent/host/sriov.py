@@ -1,0 +1,377 @@
+"""The VF guard's host side: read SR-IOV PFs and VFs, keep the snapshot file, carry out restores.
+
+- ``SriovObserver`` reads every PCI function with ``sriov_totalvfs`` under
+  ``sys/bus/pci/devices``: driver, netdev, ``sriov_numvfs``, and per
+  ``virtfnN`` the VF's PCI address, driver and host netdev; the per-VF
+  settings come through the PF (``SriovOps.vf_settings``, netlink), the host
+  netdevs' own settings from one link dump; and sriov-cni's cache
+  (``var/lib/cni/sriov``) says which pod sandbox each VF was attached to.
+- ``SriovStore`` keeps ``var/lib/nodeagent/sriov.json``: versioned, written
+  atomically and only when it changes, never replaced by an empty snapshot; a
+  corrupt or unknown-version file is moved aside and reported.
+- ``SriovActuator`` carries out ``RestoreVf`` and ``SetNumVfs``: it resolves
+  names from PCI addresses when it acts, writes only what differs, one field
+  group at a time (an ``EOPNOTSUPP`` names its field), and reads back.
+
+Malformed sysfs values never raise: they become ``problems`` on the fact.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from nodeagent.core.actions import ActionOutcome, RestoreVf, SetNumVfs
+from nodeagent.core.sriov_model import (
+    NETDEV_SIDE,
+    PF_SIDE,
+    VF_FIELDS,
+    CniAttachment,
+    PersistedSnapshot,
+    PfSnapshot,
+    SavedPf,
+    SriovObservation,
+    SriovValueError,
+    VfSnapshot,
+    snapshot_from_json,
+    snapshot_to_json,
+)
+from nodeagent.errors import NodeagentError
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.netlink import FIELD_GROUPS, GROUP_OF, LINK_FIELDS, SriovOps
+
+PCI_DEVICES = "sys/bus/pci/devices"
+SNAPSHOT_REL = "var/lib/nodeagent/sriov.json"
+CNI_CACHE_REL = "var/lib/cni/sriov"
+
+
+def _link_name(host: HostRoot, rel: str) -> str | None:
+    """The last component of a sysfs symlink's target (``driver`` -> ``mlx5_core``)."""
+    try:
+        return os.path.basename(os.readlink(host.path(rel)))
+    except OSError:
+        return None
+
+
+def _first_netdev(host: HostRoot, dev: str) -> str | None:
+    names = host.listdir(f"{dev}/net")
+    return names[0] if names else None
+
+
+def _read_count(host: HostRoot, rel: str, problems: list[str]) -> int | None:
+    try:
+        raw = host.read_text(rel, 64).strip()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        problems.append(f"{rel} unreadable: {exc.strerror}")
+        return None
+    if not raw.isdigit():
+        problems.append(f"{rel} is {raw[:20]!r}, not a count")
+        return None
+    return int(raw)
+
+
+def _clean(
+    settings: Mapping[str, Any], sides: tuple[str, ...], where: str
+) -> tuple[dict[str, Any], list[str]]:
+    out: dict[str, Any] = {}
+    problems = []
+    for name in sides:
+        if name not in settings:
+            continue
+        try:
+            out[name] = VF_FIELDS[name].check(settings[name])
+        except SriovValueError as exc:
+            problems.append(f"{where}: {name}: {exc}")
+    return out, problems
+
+
+class SriovObserver:
+    def __init__(
+        self,
+        host: HostRoot,
+        ops: SriovOps | None,
+        store: SriovStore,
+        cni_cache: str = CNI_CACHE_REL,
+    ) -> None:
+        self.host = host
+        self.ops = ops
+        self.store = store
+        self.cni_cache = cni_cache
+
+    def observe(self) -> SriovObservation:
+        problems: list[str] = []
+        pfs: dict[str, PfSnapshot] = {}
+        links: dict[str, dict[str, Any]] | None = None
+        for pci in self.host.listdir(PCI_DEVICES):
+            dev = f"{PCI_DEVICES}/{pci}"
+            if not self.host.path(f"{dev}/sriov_totalvfs").exists():
+                continue
+            if links is None:
+                links = self._links(problems)
+            pfs[pci] = self.read_pf(pci, links)
+        return SriovObservation(
+            pfs=MappingProxyType(pfs),
+            attachments=self.read_cni_cache(problems) if pfs else (),
+            persisted=self.store.load(),
+            problems=tuple(problems),
+        )
+
+    def _links(self, problems: list[str]) -> dict[str, dict[str, Any]]:
+        if self.ops is None:
+            return {}
+        try:
+            return self.ops.links()
+        except OSError as exc:
+            problems.append(f"netlink link dump failed: {exc.strerror or exc}")
+            return {}
+
+    def read_pf(self, pci: str, links: Mapping[str, Mapping[str, Any]]) -> PfSnapshot:
+        host = self.host
+        dev = f"{PCI_DEVICES}/{pci}"
+        problems: list[str] = []
+        driver = _link_name(host, f"{dev}/driver")
+        netdev = _first_netdev(host, dev) if driver else None
+        numvfs = _read_count(host, f"{dev}/sriov_numvfs", problems)
+        totalvfs = _read_count(host, f"{dev}/sriov_totalvfs", problems)
+        vf_settings: dict[int, dict[str, Any]] = {}
+        if netdev is not None and self.ops is not None:
+            try:
+                vf_settings = self.ops.vf_settings(netdev)
+            except OSError as exc:
+                problems.append(f"VF settings of {netdev} unreadable: {exc.strerror or exc}")
+        elif netdev is not None:
+            problems.append("no netlink: VF settings not read")
+        indexes = sorted(
+            int(n[len("virtfn") :])
+            for n in host.listdir(dev)
+            if n.startswith("virtfn") and n[len("virtfn") :].isdigit()
+        )
+        vfs = []
+        for i in indexes:
+            vf_pci = _link_name(host, f"{dev}/virtfn{i}")
+            vdev = f"{PCI_DEVICES}/{vf_pci}" if vf_pci else None
+            vf_driver = _link_name(host, f"{vdev}/driver") if vdev else None
+            vf_netdev = _first_netdev(host, vdev) if vdev else None
+            where = f"VF {i}"
+            settings, bad = _clean(vf_settings.get(i, {}), PF_SIDE, where)
+            if vf_netdev is not None and vf_netdev in links:
+                link, bad2 = _clean(links[vf_netdev], NETDEV_SIDE, where)
+                settings.update(link)
+                bad += bad2
+            vfs.append(
+                VfSnapshot(
+                    index=i,
+                    pci=vf_pci,
+                    driver=vf_driver,
+                    netdev=vf_netdev,
+                    settings=MappingProxyType(settings),
+                    problems=tuple(bad),
+                )
+            )
+        return PfSnapshot(
+            pci=pci,
+            driver=driver,
+            netdev=netdev,
+            numvfs=numvfs,
+            totalvfs=totalvfs,
+            vfs=tuple(vfs),
+            problems=tuple(problems),
+        )
+
+    def read_cni_cache(self, problems: list[str]) -> tuple[CniAttachment, ...]:
+        """sriov-cni's ``<container>-<ifname>`` files: the NetConf it saved at attach time."""
+        out = []
+        for name in self.host.listdir(self.cni_cache):
+            rel = f"{self.cni_cache}/{name}"
+            try:
+                conf = json.loads(self.host.read_bytes(rel, 1 << 16))
+            except (OSError, ValueError, UnicodeDecodeError) as exc:
+                problems.append(f"{rel}: unreadable sriov-cni cache entry ({exc})")
+                continue
+            if not isinstance(conf, dict) or not isinstance(conf.get("deviceID"), str):
+                problems.append(f"{rel}: sriov-cni cache entry without a deviceID")
+                continue
+            container, _, ifname = name.rpartition("-")
+            out.append(
+                CniAttachment(
+                    vf_pci=conf["deviceID"],
+                    container=container or name,
+                    network=str(conf.get("name") or "?"),
+                    pod_ifname=str(conf.get("ContIFNames") or ifname),
+                )
+            )
+        return tuple(out)
+
+
+class SriovStore:
+    """``var/lib/nodeagent/sriov.json`` (see the module doc)."""
+
+    def __init__(self, host: HostRoot, rel: str = SNAPSHOT_REL) -> None:
+        self.host = host
+        self.rel = rel
+        self._read_ident: Any = None
+        self._loaded = PersistedSnapshot()
+        self._written: bytes | None = None
+        self.reports: list[str] = []  # set-aside reports not yet taken by the agent
+
+    def load(self) -> PersistedSnapshot:
+        """The file's content, re-read only when the file changed; a bad file is moved aside."""
+        fact = self.host.file_fact(self.rel)
+        ident = (fact.present, fact.ident, fact.problem)
+        if ident == self._read_ident:
+            return self._loaded
+        self._read_ident = ident
+        if not fact.present:
+            problem = (
+                self._set_aside(f"is not a regular file ({fact.problem})") if fact.problem else None
+            )
+            self._loaded = PersistedSnapshot(problem=problem)
+            return self._loaded
+        try:
+            data = self.host.read_bytes(self.rel, 1 << 24)
+            pfs = snapshot_from_json(json.loads(data))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:  # SriovValueError is a ValueError
+            self._loaded = PersistedSnapshot(problem=self._set_aside(f"is corrupt: {exc}"))
+            return self._loaded
+        self._written = data
+        self._loaded = PersistedSnapshot(pfs=MappingProxyType(pfs))
+        return self._loaded
+
+    def _set_aside(self, why: str) -> str:
+        src = self.host.path(self.rel)
+        dst = src.with_name(f"{src.name}.corrupt")
+        try:
+            os.replace(src, dst)
+            where = f"moved to {dst.name}"
+        except OSError as exc:
+            where = f"could not move it aside: {exc.strerror}"
+        self._read_ident = None
+        msg = f"{self.rel} {why}; {where}; the snapshot starts from what the node shows"
+        self.reports.append(msg)
+        return msg
+
+    def save(self, pfs: Mapping[str, SavedPf]) -> bool:
+        """Write the snapshot if it changed; an empty one never replaces a file. True if written."""
+        if not pfs:
+            return False
+        data = (json.dumps(snapshot_to_json(pfs), indent=1, sort_keys=True) + "\n").encode()
+        if data == self._written:
+            return False
+        self.host.write_atomic(self.rel, data)
+        self._written = data
+        self._read_ident = None
+        return True
+
+
+class SriovActuator:
+    """Carries out the VF guard's actions through ``SriovOps`` (see the module doc)."""
+
+    def __init__(self, host: HostRoot, ops: SriovOps) -> None:
+        self.host = host
+        self.ops = ops
+
+    def perform(self, action: RestoreVf | SetNumVfs) -> ActionOutcome:
+        try:
+            if isinstance(action, SetNumVfs):
+                return self._numvfs(action)
+            return self._restore(action)
+        except (OSError, NodeagentError) as exc:
+            code = exc.errno if isinstance(exc, OSError) else None
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            return ActionOutcome(
+                action=action, ok=False, errno=code, error=f"{action.describe()}: {why}"
+            )
+
+    def _numvfs(self, action: SetNumVfs) -> ActionOutcome:
+        if action.through_zero:
+            self.ops.set_numvfs(action.pf_pci, 0)
+        self.ops.set_numvfs(action.pf_pci, action.numvfs)
+        return ActionOutcome(action=action, ok=True)
+
+    def _pf_netdev(self, pf_pci: str) -> str:
+        name = _first_netdev(self.host, f"{PCI_DEVICES}/{pf_pci}")
+        if name is None:
+            raise OSError(errno.ENODEV, f"PF {pf_pci} has no netdev")
+        return name
+
+    def _restore(self, action: RestoreVf) -> ActionOutcome:
+        pf = self._pf_netdev(action.pf_pci)
+        want_pf = dict(action.pf_settings)
+        want_link = dict(action.link_settings)
+        detail: dict[str, str] = {}
+        errors: list[str] = []
+        have = self.ops.vf_settings(pf).get(action.index)
+        if have is None:
+            raise OSError(errno.ENODEV, f"{pf} reports no VF {action.index}")
+        for fields in FIELD_GROUPS.values():
+            mine = {f: want_pf[f] for f in fields if f in want_pf}
+            if not mine or all(have.get(f) == v for f, v in mine.items()):
+                continue
+            values = {f: want_pf.get(f, have.get(f)) for f in fields}  # vlan+qos, min+max
+            values = {f: v for f, v in values.items() if v is not None}
+            self._write(
+                lambda values=values: self.ops.set_vf(pf, action.index, values),
+                mine,
+                detail,
+                errors,
+            )
+        netdev = None
+        if want_link:
+            netdev = _first_netdev(self.host, f"{PCI_DEVICES}/{action.vf_pci}")
+            if netdev is None:
+                errors.append(f"VF {action.index} has no netdev for {', '.join(sorted(want_link))}")
+            else:
+                now = self.ops.links().get(netdev, {})
+                for name in LINK_FIELDS:  # mtu and address before bringing it up
+                    if name in want_link and now.get(name) != want_link[name]:
+                        value = want_link[name]
+                        self._write(
+                            lambda name=name, value=value: self.ops.set_link(netdev, name, value),
+                            {name: value},
+                            detail,
+                            errors,
+                        )
+        # Read back: the fields that were to be set must now hold their values.
+        back = dict(self.ops.vf_settings(pf).get(action.index) or {})
+        if netdev is not None:
+            back.update(self.ops.links().get(netdev, {}))
+        for name, value in {**want_pf, **want_link}.items():
+            if detail.get(name) in ("unsupported",) or detail.get(name, "").startswith("error"):
+                continue
+            if back.get(name) != value:
+                detail[name] = f"read back {back.get(name)!r}"
+                errors.append(f"{name} reads back {back.get(name)!r}, not {value!r}")
+        return ActionOutcome(
+            action=action,
+            ok=not errors,
+            errno=None,
+            error="; ".join(errors) if errors else None,
+            detail=tuple(sorted(detail.items())),
+        )
+
+    @staticmethod
+    def _write(
+        do: Any, fields: Mapping[str, Any], detail: dict[str, str], errors: list[str]
+    ) -> None:
+        try:
+            do()
+        except OSError as exc:
+            if exc.errno == errno.EOPNOTSUPP:
+                for f in fields:
+                    detail[f] = "unsupported"
+                return
+            for f in fields:
+                detail[f] = f"error: {exc.strerror or exc}"
+            errors.append(f"{', '.join(fields)}: {exc.strerror or exc}")
+            return
+        for f in fields:
+            detail[f] = "written"
+
+
+__all__ = ["GROUP_OF", "SriovActuator", "SriovObserver", "SriovStore"]
