@@ -95,6 +95,7 @@ class PfMemory:
     gone_at: float | None = None  # its PCI device has been absent since
     numvfs_asked_at: float | None = None
     numvfs_error: str | None = None
+    numvfs_quiet_since: float | None = None  # PF back and MOFED not mid-restart since
     restores: Mapping[int, VfRestore] = field(default_factory=lambda: MappingProxyType({}))
     unsupported: tuple[str, ...] = ()  # fields its driver refused with EOPNOTSUPP (once)
 
@@ -136,8 +137,17 @@ def _vfs_gone(obs: PfSnapshot | None, saved: SavedPf) -> str | None:
     return None
 
 
+def _mofed_managed(p: _Pass, obs: PfSnapshot) -> bool:
+    return p.policy.mofed == "container" and obs.driver in p.policy.mofed_drivers
+
+
+def _mofed_restarting(p: _Pass, obs: PfSnapshot) -> bool:
+    """MOFED's blacklist file exists only while ``openibd restart`` runs."""
+    return _mofed_managed(p, obs) and p.snap.mofed_blacklist.present
+
+
 def _mofed_ready(p: _Pass, obs: PfSnapshot) -> bool:
-    if p.policy.mofed != "container" or obs.driver not in p.policy.mofed_drivers:
+    if not _mofed_managed(p, obs):
         return True
     return p.snap.mofed_ready.present and not p.snap.mofed_blacklist.present
 
@@ -185,6 +195,7 @@ def _disrupt(p: _Pass, mem: PfMemory, why: str) -> PfMemory:
         gone_at=p.now if why == "its PCI device is gone" else None,
         numvfs_asked_at=None,
         numvfs_error=None,
+        numvfs_quiet_since=None,
         restores=MappingProxyType({}),
     )
 
@@ -240,7 +251,11 @@ def _ask_numvfs(p: _Pass, mem: PfMemory, obs: PfSnapshot) -> PfMemory:
     have = obs.numvfs or 0
     if have >= want or p.policy.numvfs_owner != "agent" or mem.back_at is None:
         return mem
-    due = mem.back_at + p.policy.numvfs_grace_s
+    if _mofed_restarting(p, obs):  # openibd restart is loading modules: it writes numvfs next
+        return replace(mem, numvfs_quiet_since=None)
+    quiet = mem.numvfs_quiet_since if mem.numvfs_quiet_since is not None else p.now
+    mem = replace(mem, numvfs_quiet_since=quiet)
+    due = quiet + p.policy.numvfs_grace_s
     if mem.numvfs_asked_at is not None:
         due = max(due, mem.numvfs_asked_at + p.policy.numvfs_grace_s)
     if p.now < due:
@@ -321,7 +336,11 @@ def _restoring(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
     mem = _report(p, mem)
     waiting = [r for r in restores.values() if r.status == "waiting"]
     if waiting:
-        p.wake.append(p.now + p.policy.poll_s)  # the slow poll behind uevents
+        # The slow poll behind uevents, on a grid from when the PF came back, so every
+        # pass asks for the same next poll instead of one more timer each.
+        start = mem.back_at if mem.back_at is not None else p.now
+        ticks = int((p.now - start) // p.policy.poll_s) + 1
+        p.wake.append(start + ticks * p.policy.poll_s)
         return mem
     failed = {i: r for i, r in restores.items() if r.status == "failed"}
     took = p.now - (mem.back_at or p.now)
@@ -547,6 +566,7 @@ class SriovGuard:
                     "gone_at": m.gone_at,
                     "numvfs_asked_at": m.numvfs_asked_at,
                     "numvfs_error": m.numvfs_error,
+                    "numvfs_quiet_since": m.numvfs_quiet_since,
                     "unsupported": list(m.unsupported),
                     "restores": {
                         str(i): {
@@ -697,6 +717,7 @@ def _memory_from_json(data: Mapping[str, Any]) -> SriovMemory:
             gone_at=_opt_float(d.get("gone_at")),
             numvfs_asked_at=_opt_float(d.get("numvfs_asked_at")),
             numvfs_error=d.get("numvfs_error"),
+            numvfs_quiet_since=_opt_float(d.get("numvfs_quiet_since")),
             restores=MappingProxyType(restores),
             unsupported=tuple(u for u in unsupported if u in VF_FIELDS),
         )

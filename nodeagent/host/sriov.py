@@ -49,31 +49,55 @@ SNAPSHOT_REL = "var/lib/nodeagent/sriov.json"
 CNI_CACHE_REL = "var/lib/cni/sriov"
 
 
-def _link_name(host: HostRoot, rel: str) -> str | None:
-    """The last component of a sysfs symlink's target (``driver`` -> ``mlx5_core``)."""
-    try:
-        return os.path.basename(os.readlink(host.path(rel)))
-    except OSError:
-        return None
+class _Sysfs:
+    """Fast sysfs reads under the host root (127 VFs are read on every pass).
 
+    Relative paths built from sysfs names (never from input): joined as strings,
+    without the per-call path parsing of ``HostRoot.path``.
+    """
 
-def _first_netdev(host: HostRoot, dev: str) -> str | None:
-    names = host.listdir(f"{dev}/net")
-    return names[0] if names else None
+    def __init__(self, host: HostRoot) -> None:
+        self.root = str(host.root).rstrip("/") or ""
 
+    def link_name(self, rel: str) -> str | None:
+        """The last component of a symlink's target (``driver`` -> ``mlx5_core``)."""
+        try:
+            return os.path.basename(os.readlink(f"{self.root}/{rel}"))
+        except OSError:
+            return None
 
-def _read_count(host: HostRoot, rel: str, problems: list[str]) -> int | None:
-    try:
-        raw = host.read_text(rel, 64).strip()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        problems.append(f"{rel} unreadable: {exc.strerror}")
-        return None
-    if not raw.isdigit():
-        problems.append(f"{rel} is {raw[:20]!r}, not a count")
-        return None
-    return int(raw)
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(os.listdir(f"{self.root}/{rel}"))
+        except OSError:
+            return []
+
+    def first_netdev(self, dev: str) -> str | None:
+        names = self.listdir(f"{dev}/net")
+        return names[0] if names else None
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(f"{self.root}/{rel}")
+
+    def read_count(self, rel: str, problems: list[str]) -> int | None:
+        try:
+            fd = os.open(f"{self.root}/{rel}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            problems.append(f"{rel} unreadable: {exc.strerror}")
+            return None
+        try:
+            raw = os.read(fd, 64).decode("ascii", errors="replace").strip()
+        except OSError as exc:
+            problems.append(f"{rel} unreadable: {exc.strerror}")
+            return None
+        finally:
+            os.close(fd)
+        if not raw.isdigit():
+            problems.append(f"{rel} is {raw[:20]!r}, not a count")
+            return None
+        return int(raw)
 
 
 def _clean(
@@ -100,6 +124,7 @@ class SriovObserver:
         cni_cache: str = CNI_CACHE_REL,
     ) -> None:
         self.host = host
+        self.sys = _Sysfs(host)
         self.ops = ops
         self.store = store
         self.cni_cache = cni_cache
@@ -108,9 +133,9 @@ class SriovObserver:
         problems: list[str] = []
         pfs: dict[str, PfSnapshot] = {}
         links: dict[str, dict[str, Any]] | None = None
-        for pci in self.host.listdir(PCI_DEVICES):
+        for pci in self.sys.listdir(PCI_DEVICES):
             dev = f"{PCI_DEVICES}/{pci}"
-            if not self.host.path(f"{dev}/sriov_totalvfs").exists():
+            if not self.sys.exists(f"{dev}/sriov_totalvfs"):
                 continue
             if links is None:
                 links = self._links(problems)
@@ -132,13 +157,13 @@ class SriovObserver:
             return {}
 
     def read_pf(self, pci: str, links: Mapping[str, Mapping[str, Any]]) -> PfSnapshot:
-        host = self.host
+        sysfs = self.sys
         dev = f"{PCI_DEVICES}/{pci}"
         problems: list[str] = []
-        driver = _link_name(host, f"{dev}/driver")
-        netdev = _first_netdev(host, dev) if driver else None
-        numvfs = _read_count(host, f"{dev}/sriov_numvfs", problems)
-        totalvfs = _read_count(host, f"{dev}/sriov_totalvfs", problems)
+        driver = sysfs.link_name(f"{dev}/driver")
+        netdev = sysfs.first_netdev(dev) if driver else None
+        numvfs = sysfs.read_count(f"{dev}/sriov_numvfs", problems)
+        totalvfs = sysfs.read_count(f"{dev}/sriov_totalvfs", problems)
         vf_settings: dict[int, dict[str, Any]] = {}
         if netdev is not None and self.ops is not None:
             try:
@@ -149,15 +174,15 @@ class SriovObserver:
             problems.append("no netlink: VF settings not read")
         indexes = sorted(
             int(n[len("virtfn") :])
-            for n in host.listdir(dev)
+            for n in sysfs.listdir(dev)
             if n.startswith("virtfn") and n[len("virtfn") :].isdigit()
         )
         vfs = []
         for i in indexes:
-            vf_pci = _link_name(host, f"{dev}/virtfn{i}")
+            vf_pci = sysfs.link_name(f"{dev}/virtfn{i}")
             vdev = f"{PCI_DEVICES}/{vf_pci}" if vf_pci else None
-            vf_driver = _link_name(host, f"{vdev}/driver") if vdev else None
-            vf_netdev = _first_netdev(host, vdev) if vdev else None
+            vf_driver = sysfs.link_name(f"{vdev}/driver") if vdev else None
+            vf_netdev = sysfs.first_netdev(vdev) if vdev else None
             where = f"VF {i}"
             settings, bad = _clean(vf_settings.get(i, {}), PF_SIDE, where)
             if vf_netdev is not None and vf_netdev in links:
@@ -218,6 +243,7 @@ class SriovStore:
         self._read_ident: Any = None
         self._loaded = PersistedSnapshot()
         self._written: bytes | None = None
+        self._saved_pfs: dict[str, SavedPf] = {}  # what was last written, by identity
         self.reports: list[str] = []  # set-aside reports not yet taken by the agent
 
     def load(self) -> PersistedSnapshot:
@@ -260,11 +286,15 @@ class SriovStore:
         """Write the snapshot if it changed; an empty one never replaces a file. True if written."""
         if not pfs:
             return False
+        if pfs.keys() == self._saved_pfs.keys() and all(pfs[k] is self._saved_pfs[k] for k in pfs):
+            return False  # the guard's values are immutable: the same objects, the same file
         data = (json.dumps(snapshot_to_json(pfs), indent=1, sort_keys=True) + "\n").encode()
         if data == self._written:
+            self._saved_pfs = dict(pfs)
             return False
         self.host.write_atomic(self.rel, data)
         self._written = data
+        self._saved_pfs = dict(pfs)
         self._read_ident = None
         return True
 
@@ -274,6 +304,7 @@ class SriovActuator:
 
     def __init__(self, host: HostRoot, ops: SriovOps) -> None:
         self.host = host
+        self.sys = _Sysfs(host)
         self.ops = ops
 
     def perform(self, action: RestoreVf | SetNumVfs) -> ActionOutcome:
@@ -295,7 +326,7 @@ class SriovActuator:
         return ActionOutcome(action=action, ok=True)
 
     def _pf_netdev(self, pf_pci: str) -> str:
-        name = _first_netdev(self.host, f"{PCI_DEVICES}/{pf_pci}")
+        name = self.sys.first_netdev(f"{PCI_DEVICES}/{pf_pci}")
         if name is None:
             raise OSError(errno.ENODEV, f"PF {pf_pci} has no netdev")
         return name
@@ -323,7 +354,7 @@ class SriovActuator:
             )
         netdev = None
         if want_link:
-            netdev = _first_netdev(self.host, f"{PCI_DEVICES}/{action.vf_pci}")
+            netdev = self.sys.first_netdev(f"{PCI_DEVICES}/{action.vf_pci}")
             if netdev is None:
                 errors.append(f"VF {action.index} has no netdev for {', '.join(sorted(want_link))}")
             else:
@@ -341,7 +372,8 @@ class SriovActuator:
         back = dict(self.ops.vf_settings(pf).get(action.index) or {})
         if netdev is not None:
             back.update(self.ops.links().get(netdev, {}))
-        for name, value in {**want_pf, **want_link}.items():
+        checked = {**want_pf, **(want_link if netdev is not None else {})}
+        for name, value in checked.items():
             if detail.get(name) in ("unsupported",) or detail.get(name, "").startswith("error"):
                 continue
             if back.get(name) != value:

@@ -30,6 +30,7 @@ from nodeagent.agent import Agent, PassResult, build_reconciler
 from nodeagent.config import Config
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import WakePipe
+from nodeagent.sim.netlink import SimSriovOps
 from nodeagent.sim.node import Node
 
 __all__ = ["AgentHarness", "SimAgent", "agent_guards"]
@@ -72,6 +73,7 @@ class SimAgent:
             pass_context=self._world,
             on_pass=self._pass_done,
             on_record=self._record,
+            sriov_ops=SimSriovOps(node.kernel),
         )
 
     @contextmanager
