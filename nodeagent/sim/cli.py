@@ -1,6 +1,7 @@
 """``nodeagent simulate [SCENARIO|all] [--without-agent] [--compare] [--speed X] [--seed N]``.
 
-(and ``--json``). Replays the seed incidents on a simulated node (a temp host root, a
+(and ``--deployment-mode M``, ``--json``). Replays the seed incidents on a simulated
+node (a temp host root, a
 simulated kernel, the MOFED and GPU driver containers as actors) and, unless
 ``--without-agent``, with the real agent running its own loop next to them in
 enforce mode. ``--compare`` runs each scenario both ways and prints the two
@@ -16,6 +17,7 @@ import os
 import sys
 
 from nodeagent.sim.clock import SimError
+from nodeagent.sim.modes import MODES
 from nodeagent.sim.scenarios import SCENARIOS, RunResult, run_scenario
 
 __all__ = ["DEFAULT_SPEED", "simulate_main"]
@@ -49,7 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"seed-seconds per wall second (default {DEFAULT_SPEED:g}; 0: as fast as possible)",
     )
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema v1)")
+    p.add_argument(
+        "--deployment-mode",
+        choices=list(MODES),
+        help="run every scenario in this deployment mode (default: each seed's own; "
+        "see deploy/README.md)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (schema v2)")
     return p
 
 
@@ -80,7 +88,13 @@ def _run(args: argparse.Namespace, names: list[str], modes: list[bool], speed: f
     try:
         for name in names:
             runs = [
-                run_scenario(SCENARIOS[name], agent=agent, seed=args.seed, speed=speed)
+                run_scenario(
+                    SCENARIOS[name],
+                    agent=agent,
+                    seed=args.seed,
+                    speed=speed,
+                    mode=args.deployment_mode,
+                )
                 for agent in modes
             ]
             results += runs
