@@ -1,4 +1,4 @@
-"""Command line: ``nodeagent run|check|status|wait|simulate``.
+"""Command line: ``nodeagent run|check|status|wait|timeline|simulate``.
 
 Exit codes: 0 success / every guard open; 1 a guard is closed, a wait timed
 out or no status exists; 2 a usage or input error (printed as one line).
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     wait.add_argument("gate", choices=["peermem"])
     wait.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
 
+    tl = sub.add_parser("timeline", help="draw the recorded decisions (lanes over time)")
+    _common(tl)
+    tl.add_argument("--since", help="30m, 2h, an ISO 8601 time, or epoch seconds")
+    tl.add_argument("--format", choices=["text", "html"], default="text")
+
     sim = sub.add_parser(
         "simulate", help="replay the seed incidents on a simulated node", add_help=False
     )
@@ -78,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_status(cfg, args.json)
         if args.command == "wait":
             return cmd_wait(cfg, args.gate, args.timeout)
+        if args.command == "timeline":
+            from nodeagent.timeline_view.cli import timeline_main
+
+            return timeline_main(cfg, args.since, args.format)
     except NodeagentError as exc:
         print(f"nodeagent: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

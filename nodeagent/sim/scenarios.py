@@ -407,6 +407,7 @@ class RunResult:
     verdict: Verdict
     wall_seconds: float
     module_ops: tuple[tuple[float, str, str], ...] = ()  # (t, who, what), from t=0
+    agent_records: tuple[dict[str, Any], ...] = ()  # the agent's timeline records, ts in seed-s
 
 
 def _tmp_base() -> str | None:
@@ -597,8 +598,9 @@ def run_scenario(
             # The end: read everything now, before the actors unwind.
             node.closed = True
             events = list(node.events)
+            records = list(harness.agent.sim_records) if harness is not None else []
             if harness is not None:
-                events += _agent_events(node, list(harness.agent.sim_records))
+                events += _agent_events(node, records)
             events.sort(key=lambda e: e.t)  # stable: same-time lines keep their order
             verdict = _verdict(node, watcher.cast, watcher, missing)
             if agent:
@@ -616,7 +618,9 @@ def run_scenario(
                     raise SimError("the agent thread did not stop")
             node.kernel.uevent_source.close()
     wall = time.monotonic() - wall0
-    return RunResult(scenario, agent, deployment, seed, tuple(events), kmsg, verdict, wall, ops)
+    return RunResult(
+        scenario, agent, deployment, seed, tuple(events), kmsg, verdict, wall, ops, tuple(records)
+    )
 
 
 def _pace(start: float, t: float, speed: float) -> None:
