@@ -31,15 +31,17 @@ class LoadModuleFile:
 
 @dataclass(frozen=True)
 class LoadModule:
-    """Load a module by name with its dependencies from one driver tree, like modprobe -d."""
+    """Load a module by name with its dependencies, like modprobe -d, from the first
+    driver tree that has it (``trees``: driver roots under the host root; "" is the host's)."""
 
     guard: str
     module: str
-    tree: str  # a driver root relative to the host root; "" is the host's own
+    trees: tuple[str, ...]
     reason: str
 
     def describe(self) -> str:
-        return f"load {self.module} from the tree at /{self.tree}"
+        where = " or ".join(f"/{t}" if t else "the host" for t in self.trees)
+        return f"load {self.module} from {where}"
 
 
 @dataclass(frozen=True)

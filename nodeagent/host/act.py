@@ -17,6 +17,7 @@ again on a later pass, so a bad module is never retried in a tight loop.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -120,10 +121,18 @@ class ModuleExecutor:
         )
 
     def load(self, action: LoadModule) -> None:
+        """From the first tree whose modules.dep lists the module (ENOENT: try the next)."""
         kernel = self.hands.host.read_text("proc/sys/kernel/osrelease", 256).strip()
-        rel = f"{action.tree}/lib/modules/{kernel}" if action.tree else f"lib/modules/{kernel}"
-        moddir = str(self.hands.host.path(rel))
-        self._run("load", action.module, lambda: self.hands.ops.probe(action.module, moddir), True)
+        for i, tree in enumerate(action.trees):
+            rel = f"{tree}/lib/modules/{kernel}" if tree else f"lib/modules/{kernel}"
+            moddir = str(self.hands.host.path(rel))
+            try:
+                probe = functools.partial(self.hands.ops.probe, action.module, moddir)
+                self._run("load", action.module, probe, True)
+                return
+            except StepFailed as exc:
+                if exc.errno != errno.ENOENT or i == len(action.trees) - 1:
+                    raise
 
     def unload(self, action: UnloadModule) -> None:
         self._run("unload", action.module, lambda: self.hands.ops.remove(action.module), False)
