@@ -212,7 +212,7 @@ def test_restart_unloads_idle_peermem_at_once() -> None:
 def test_restart_unloads_peermem_only_once_it_is_live() -> None:
     # Another party's load still in its init: the kernel would refuse the unload (EBUSY).
     coming = loaded(PEERMEM, "P" * 23, refcnt=0, initstate="coming")
-    snap = replace(with_modules(healthy(), nvidia_peermem=coming), mofed_ready=flag(False))
+    snap = with_files(with_modules(healthy(), nvidia_peermem=coming), flag(False))
     d = decide(snap)
     assert d.actions == ()
     live = with_modules(snap, nvidia_peermem=replace(coming, initstate="live"))

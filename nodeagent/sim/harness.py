@@ -46,7 +46,7 @@ def agent_config(node: Node) -> Config:
         host_root=str(node.root),
         mode="enforce",
         uevents=False,
-        peermem=PeermemPolicy(mofed=node.mode.agent_mofed),
+        policies={"peermem": PeermemPolicy(mofed=node.mode.agent_mofed)},
     )
 
 
