@@ -14,25 +14,24 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from nodeagent import __version__
 from nodeagent.config import Config
 from nodeagent.core.actions import ActionOutcome
 from nodeagent.core.guard import Verdict
-from nodeagent.core.peermem import PeermemGate
 from nodeagent.core.reconcile import AgentMemory, Reconciler
+from nodeagent.core.registry import build_reconciler as build_guard_reconciler
 from nodeagent.core.snapshot import NodeSnapshot
-from nodeagent.core.sriov import SriovGuard, SriovMemory
+from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOps, default_module_ops
 from nodeagent.host.netlink import PyrouteOps, SriovOps
-from nodeagent.host.observe import Observer
-from nodeagent.host.sriov import SriovActuator, SriovObserver, SriovStore
+from nodeagent.host.observe import Observer, Readers, no_sriov
+from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.host.state import StateStore
 from nodeagent.timeline import Timeline
 
@@ -40,16 +39,30 @@ log = logging.getLogger("nodeagent")
 
 
 def build_reconciler(cfg: Config) -> Reconciler:
-    return Reconciler(
-        [PeermemGate(cfg.peermem), SriovGuard(replace(cfg.sriov, mofed=cfg.peermem.mofed))]
-    )
+    """Every guard of core/registry.py with its configured policy."""
+    return build_guard_reconciler(cfg.policies, cfg.paths)
 
 
 def sriov_host(
     cfg: Config, host: HostRoot, ops: SriovOps | None
 ) -> tuple[SriovObserver, SriovStore]:
+    """The VF guard's reader (PFs, VFs, sriov-cni cache, snapshot file) and its store."""
     store = SriovStore(host, cfg.paths.sriov_snapshot)
     return SriovObserver(host, ops, store, cfg.paths.sriov_cni_cache), store
+
+
+def action_record(o: ActionOutcome) -> dict[str, Any]:
+    return {
+        "kind": "action",
+        "guard": o.action.guard,
+        "action": o.action.describe(),
+        "reason": o.action.reason,
+        "performed": o.performed,
+        "ok": o.ok,
+        "errno": o.errno,
+        "error": o.error,
+        "kernel_messages": list(o.kernel_messages),
+    }
 
 
 @dataclass(frozen=True)
@@ -72,12 +85,16 @@ class Agent:
         pass_context: Callable[[], AbstractContextManager[object]] | None = None,
         on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        readers: Readers | None = None,
         sriov_ops: SriovOps | None = None,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
         the exception; ``on_record``
         sees every timeline record. All three are for embedding; the daemon uses none.
+        ``readers`` replaces the observer's readers of locks, mounts, NVMe and SR-IOV;
+        ``sriov_ops`` the netlink and ``sriov_numvfs`` access of the VF guard (the
+        simulator's kernel; pyroute2 by default).
         """
         self.cfg = cfg
         self.pass_context = pass_context or nullcontext
@@ -85,15 +102,18 @@ class Agent:
         self.on_record = on_record
         self.host = HostRoot(cfg.host_root)
         self.clock = clock
-        self.sriov_ops = sriov_ops or PyrouteOps(self.host)
-        sriov_observer, self.sriov_store = sriov_host(cfg, self.host, self.sriov_ops)
-        self.observer = Observer(self.host, cfg, sriov_observer)
         self.reconciler = build_reconciler(cfg)
+        self.sriov_ops = sriov_ops or PyrouteOps(self.host)
+        sriov_reader, self.sriov_store = sriov_host(cfg, self.host, self.sriov_ops)
+        readers = readers or Readers()
+        if readers.sriov is no_sriov:
+            readers = replace(readers, sriov=sriov_reader.read)
+        self.observer = Observer(self.host, cfg, self.reconciler.needs(), readers)
         self.actuator = Actuator(
             self.host,
             module_ops or default_module_ops(),
             kernel_log or kmsg_reader(cfg.kmsg),
-            sriov=SriovActuator(self.host, self.sriov_ops),
+            sriov_ops=self.sriov_ops,
         )
         self.state = StateStore(self.host, cfg.paths.state_dir)
         self.timeline = Timeline(
@@ -146,14 +166,12 @@ class Agent:
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
         # stale") is on disk before any action runs, so dying mid-action loses nothing.
         self._save_memory(memory)
-        enforce = self.cfg.mode == "enforce"
         outcomes: list[ActionOutcome] = []
-        for action in rec.actions:
-            if enforce:
-                outcome = self.actuator.perform(action)
-            else:
-                outcome = ActionOutcome(action=action, ok=True, performed=False)
-            outcomes.append(outcome)
+        if self.cfg.mode == "enforce":
+            for guard_outcomes in self.actuator.run_plans(rec.plans).values():
+                outcomes.extend(guard_outcomes)
+        else:
+            outcomes = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
         memory = self.reconciler.absorb(memory, outcomes, self.clock())
 
         signature = (
@@ -181,19 +199,7 @@ class Agent:
         for o in outcomes:
             if not o.performed and not changed:
                 continue  # observe mode: the same undone action is recorded once, not per pass
-            self.record(
-                {
-                    "kind": "action",
-                    "guard": o.action.guard,
-                    "action": o.action.describe(),
-                    "reason": o.action.reason,
-                    "performed": o.performed,
-                    "ok": o.ok,
-                    "errno": o.errno,
-                    "error": o.error,
-                    "kernel_messages": list(o.kernel_messages),
-                }
-            )
+            self.record(action_record(o))
 
         self.memory = memory
         self._save_memory(memory)
@@ -201,7 +207,7 @@ class Agent:
         try:
             self.state.publish(
                 self.status_document(snap, rec.verdicts, outcomes),
-                {g: v.is_open for g, v in rec.verdicts.items()},
+                {g: rec.verdicts[g].ok for g in self.reconciler.gates},
             )
         except OSError as exc:
             log.error("state write failed: %s", exc)
@@ -266,10 +272,17 @@ class Agent:
     # -- the loop -------------------------------------------------------------
 
     def watched_dirs(self) -> list[str]:
-        """Where the markers live; sysfs emits no inotify events (uevents + resync cover it)."""
-        p = self.cfg.paths
-        dirs = {str(Path(f).parent) for f in (p.mofed_ready, p.mofed_lock, p.mofed_blacklist)}
-        return sorted(dirs | {p.validations})
+        """Derived from the guards' declared needs (marker files' parents, listed dirs)."""
+        return self.observer.needs.watch_dirs()
+
+    def _stop_actions(self) -> None:
+        """What guards undo when the agent stops (e.g. a hold file), enforce mode only."""
+        if self.cfg.mode != "enforce":
+            return
+        plans = self.reconciler.on_stop(self.memory)
+        for outcomes in self.actuator.run_plans(plans).values():
+            for o in outcomes:
+                self.record(action_record(o))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -308,5 +321,6 @@ class Agent:
                 woken_by = waker.wait(max(0.0, deadline - now))
         finally:
             watch.close()
+            self._stop_actions()
             self.record({"kind": "stop"})
             self.poke.close()

@@ -73,6 +73,7 @@ class World:
     numvfs: int = 0
     totalvfs: int = 64
     mofed_ready: bool = True
+    mofed_blacklist: bool = False  # openibd restart in progress
     vfs: dict[int, WorldVf] = field(default_factory=dict)
     writes: dict[int, int] = field(default_factory=dict)  # VF index -> RestoreVf writes
     fields_written: dict[int, list[str]] = field(default_factory=dict)
@@ -125,16 +126,19 @@ class World:
             totalvfs=self.totalvfs,
             vfs=tuple(vfs),
         )
-        flag = FileFact("run/mellanox/drivers/.driver-ready", self.mofed_ready)
+        ready = "run/mellanox/drivers/.driver-ready"
+        blacklist = "etc/modprobe.d/blacklist-ofed-modules.conf"
         return NodeSnapshot(
             now=now,
             kernel="6.1.0-test",
             modules=MappingProxyType({}),
-            mofed_ready=flag,
-            mofed_blacklist=FileFact("etc/modprobe.d/blacklist-ofed-modules.conf", False),
-            mofed_lock=FileFact("run/mellanox/drivers/.lock", False),
-            validations=(),
             disk=MappingProxyType({}),
+            files=MappingProxyType(
+                {
+                    ready: FileFact(ready, self.mofed_ready),
+                    blacklist: FileFact(blacklist, self.mofed_blacklist),
+                }
+            ),
             sriov=SriovObservation(pfs=MappingProxyType({PF_PCI: pf})),
         )
 

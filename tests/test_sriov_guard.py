@@ -52,7 +52,7 @@ class Run:
     def verdict(self) -> dict[str, object]:
         assert self.snap is not None
         v = self.guard.verdict(self.snap, self.memory)
-        return {"verdict": v.verdict, "reasons": v.reasons, **v.evidence}
+        return {"verdict": v.verdict, "ok": v.ok, "reasons": v.reasons, **v.evidence}
 
 
 def stable_then_unloaded(n: int = 4, policy: SriovPolicy = POLICY) -> Run:
@@ -108,7 +108,7 @@ def test_disruption_freezes_the_snapshot_and_restores_each_vf_as_it_appears() ->
     for i in range(4):
         assert all(run.world.vfs[i].settings[k] == v for k, v in wanted(i).items())
     assert any("VF 2 (0000:01:00.5) restored" in e for e in run.events)
-    assert run.verdict()["verdict"] == "open"
+    assert run.verdict()["verdict"] == "restored" and run.verdict()["ok"] is True
 
 
 def test_config_that_already_matches_is_not_rewritten() -> None:
@@ -137,7 +137,7 @@ def test_a_vf_that_never_appears_is_reported_alone_and_blocks_no_other() -> None
     run.step(62.5)
     assert run.phase() == "degraded"
     v = run.verdict()
-    assert v["verdict"] == "closed"
+    assert v["verdict"] == "degraded" and v["ok"] is False
     assert v["reasons"] == (
         f"PF {PF_PCI} VF 2 (0000:01:00.5): its netdev did not appear within 60 s",
     )

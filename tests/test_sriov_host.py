@@ -12,9 +12,10 @@ import pytest
 
 from nodeagent.core.actions import RestoreVf, SetNumVfs
 from nodeagent.core.sriov_model import SNAPSHOT_VERSION
+from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.netlink import parse_vfinfo
-from nodeagent.host.sriov import SriovActuator, SriovObserver, SriovStore
+from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps
@@ -79,6 +80,11 @@ def test_malformed_sysfs_values_are_problems_not_crashes(kernel: SimKernel) -> N
     assert pf.problems == (f"sys/bus/pci/devices/{PF_PCI}/sriov_numvfs is 'four', not a count",)
 
 
+def actuator(k: SimKernel, ops: SimSriovOps) -> Actuator:
+    """The agent's own actuator: the executor table sends VF actions to the SR-IOV executor."""
+    return Actuator(HostRoot(k.root), k, k.kernel_messages, sriov_ops=ops)
+
+
 def restore_action(k: SimKernel, index: int, **want: Any) -> RestoreVf:
     vf = k.pfs[PF].vfs[index]
     pf_side = {f: v for f, v in want.items() if f in PF_FIELDS}
@@ -90,7 +96,7 @@ def restore_action(k: SimKernel, index: int, **want: Any) -> RestoreVf:
 
 def test_restore_writes_only_what_differs_and_reads_it_back(kernel: SimKernel) -> None:
     ops = SimSriovOps(kernel)
-    act = SriovActuator(HostRoot(kernel.root), ops)
+    act = actuator(kernel, ops)
     kernel.set_vf(PF, 0, vlan=5)  # already right
     action = restore_action(
         kernel, 0, mac="02:00:00:00:00:09", vlan=5, qos=2, trust=True, mtu=9000, admin_up=True
@@ -121,7 +127,7 @@ def test_restore_writes_only_what_differs_and_reads_it_back(kernel: SimKernel) -
 
 def test_eopnotsupp_names_the_field_and_the_rest_is_restored(kernel: SimKernel) -> None:
     ops = SimSriovOps(kernel, unsupported=frozenset({"link_state"}))
-    out = SriovActuator(HostRoot(kernel.root), ops).perform(
+    out = actuator(kernel, ops).perform(
         restore_action(kernel, 1, link_state="enable", spoofchk=False)
     )
     assert out.ok
@@ -130,16 +136,14 @@ def test_eopnotsupp_names_the_field_and_the_rest_is_restored(kernel: SimKernel) 
 
 def test_a_vf_whose_netdev_is_missing_fails_on_its_own(kernel: SimKernel) -> None:
     kernel.bind_vf(PF, 2, "vfio-pci")
-    out = SriovActuator(HostRoot(kernel.root), SimSriovOps(kernel)).perform(
-        restore_action(kernel, 2, vlan=9, mtu=9000)
-    )
+    out = actuator(kernel, SimSriovOps(kernel)).perform(restore_action(kernel, 2, vlan=9, mtu=9000))
     assert not out.ok
     assert out.error == "VF 2 has no netdev for mtu"
     assert dict(out.detail)["vlan"] == "written"
 
 
 def test_numvfs_goes_through_zero(kernel: SimKernel) -> None:
-    act = SriovActuator(HostRoot(kernel.root), SimSriovOps(kernel))
+    act = actuator(kernel, SimSriovOps(kernel))
     out = act.perform(SetNumVfs("sriov", PF_PCI, 6, True, "test"))
     assert out.ok and len(kernel.pfs[PF].vfs) == 6
     refused = act.perform(SetNumVfs("sriov", PF_PCI, 7, False, "test"))  # 6 -> 7 directly

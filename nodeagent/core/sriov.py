@@ -33,8 +33,12 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
+from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import Action, ActionOutcome, RestoreVf, SetNumVfs
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
+from nodeagent.core.mofed import MOFED_MODES, MofedMarkers, MofedMode
+from nodeagent.core.needs import Needs
+from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.core.sriov_model import (
     NETDEV_SIDE,
@@ -67,9 +71,44 @@ class SriovPolicy:
     retry_max_s: float = 10.0
     poll_s: float = 2.0  # while restoring: the slow poll behind uevents
     pf_gone_s: float = 600.0  # a PF whose PCI device stays gone this long is degraded
-    mofed: str = "container"  # "host": no MOFED ready flag to wait for
+    mofed: MofedMode = "container"  # "host": no MOFED ready flag to wait for
     mofed_drivers: tuple[str, ...] = ("mlx5_core",)
     parallel: int = 16  # VF restores carried out at once
+
+
+# [sriov] key -> (policy field, low, high)
+_NUMBERS = {
+    "numvfs_grace_seconds": ("numvfs_grace_s", 0.0, 86400.0),
+    "vf_deadline_seconds": ("vf_deadline_s", 0.1, 86400.0),
+    "retry_base_seconds": ("retry_base_s", 0.01, 3600.0),
+    "retry_max_seconds": ("retry_max_s", 0.01, 86400.0),
+    "poll_seconds": ("poll_s", 0.05, 3600.0),
+    "pf_gone_seconds": ("pf_gone_s", 1.0, 30 * 86400.0),
+    "parallel": ("parallel", 1, 256),
+}
+
+
+def parse_policy(table: Mapping[str, Any], pol: SriovPolicy) -> SriovPolicy:
+    """``[sriov]`` of the config file over ``pol``; NodeagentError naming a bad value."""
+    cfgval.reject_unknown("sriov", table, {"numvfs_owner", "mofed", "mofed_drivers", *_NUMBERS})
+    if "numvfs_owner" in table:
+        pol = replace(
+            pol,
+            numvfs_owner=cfgval.choice("sriov.numvfs_owner", table["numvfs_owner"], NUMVFS_OWNERS),
+        )
+    if "mofed" in table:
+        mode = cfgval.choice("sriov.mofed", table["mofed"], MOFED_MODES)
+        pol = replace(pol, mofed="host" if mode == "host" else "container")
+    if "mofed_drivers" in table:
+        pol = replace(
+            pol, mofed_drivers=cfgval.module_list("sriov.mofed_drivers", table["mofed_drivers"])
+        )
+    for key, (attr, lo, hi) in _NUMBERS.items():
+        if key in table:
+            value = cfgval.number(f"sriov.{key}", table[key], lo, hi)
+            changes: dict[str, Any] = {attr: int(value) if attr == "parallel" else value}
+            pol = replace(pol, **changes)
+    return pol
 
 
 @dataclass(frozen=True)
@@ -112,6 +151,7 @@ class SriovMemory:
 class _Pass:
     snap: NodeSnapshot
     policy: SriovPolicy
+    mofed: MofedMarkers
     actions: list[Action] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     wake: list[float] = field(default_factory=list)
@@ -143,13 +183,13 @@ def _mofed_managed(p: _Pass, obs: PfSnapshot) -> bool:
 
 def _mofed_restarting(p: _Pass, obs: PfSnapshot) -> bool:
     """MOFED's blacklist file exists only while ``openibd restart`` runs."""
-    return _mofed_managed(p, obs) and p.snap.mofed_blacklist.present
+    return _mofed_managed(p, obs) and p.snap.file(p.mofed.blacklist).present
 
 
 def _mofed_ready(p: _Pass, obs: PfSnapshot) -> bool:
     if not _mofed_managed(p, obs):
         return True
-    return p.snap.mofed_ready.present and not p.snap.mofed_blacklist.present
+    return p.snap.file(p.mofed.ready).present and not p.snap.file(p.mofed.blacklist).present
 
 
 def _stable_now(p: _Pass, obs: PfSnapshot | None) -> bool:
@@ -490,15 +530,24 @@ def _pf_evidence(mem: PfMemory, obs: PfSnapshot | None) -> dict[str, Any]:
 
 class SriovGuard:
     name = GUARD
+    gate = False  # it reports; nothing waits on it
 
-    def __init__(self, policy: SriovPolicy | None = None) -> None:
+    def __init__(self, policy: SriovPolicy | None = None, paths: HostPaths | None = None) -> None:
         self.policy = policy or SriovPolicy()
+        self.paths = paths or HostPaths()
+        self.mofed = self.paths.mofed
+
+    def needs(self) -> Needs:
+        return Needs(files=frozenset({self.mofed.ready, self.mofed.blacklist}), sriov=True)
 
     def initial_memory(self) -> SriovMemory:
         return SriovMemory()
 
+    def on_stop(self, memory: SriovMemory) -> tuple[()]:
+        return ()  # VF config stays as it is; the snapshot file keeps what to restore
+
     def decide(self, snap: NodeSnapshot, memory: SriovMemory) -> GuardDecision[SriovMemory]:
-        p = _Pass(snap, self.policy)
+        p = _Pass(snap, self.policy, self.mofed)
         obs_pfs = snap.sriov.pfs
         pfs = dict(memory.pfs)
         for pci, saved in snap.sriov.persisted.pfs.items():
@@ -513,12 +562,16 @@ class SriovGuard:
             mem = pfs[pci]
             pfs[pci] = _PHASES[mem.phase](p, mem, obs_pfs.get(pci))
         memory = SriovMemory(MappingProxyType(pfs))
+        if p.actions:  # look again at once: read back, report each VF's outcome
+            p.wake.append(snap.now)
         return GuardDecision(
             verdict=self.verdict(snap, memory),
             actions=tuple(p.actions),
             memory=memory,
             events=tuple(p.events),
             wake_at=min(p.wake) if p.wake else None,
+            strategy="parallel",  # each VF on its own: one slow or failing VF delays no other
+            bound=self.policy.parallel,
         )
 
     def verdict(self, snap: NodeSnapshot, memory: SriovMemory) -> Verdict:
@@ -543,9 +596,10 @@ class SriovGuard:
             evidence["problems"] = problems
         return Verdict(
             guard=GUARD,
-            verdict="closed" if state == "degraded" else "open",
+            verdict=state,
+            ok=state != "degraded",
             reasons=tuple(reasons),
-            evidence=MappingProxyType(evidence),
+            evidence=evidence,
         )
 
     def absorb(self, memory: SriovMemory, outcome: ActionOutcome, now: float) -> SriovMemory:

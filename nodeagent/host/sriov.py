@@ -9,23 +9,19 @@
 - ``SriovStore`` keeps ``var/lib/nodeagent/sriov.json``: versioned, written
   atomically and only when it changes, never replaced by an empty snapshot; a
   corrupt or unknown-version file is moved aside and reported.
-- ``SriovActuator`` carries out ``RestoreVf`` and ``SetNumVfs``: it resolves
-  names from PCI addresses when it acts, writes only what differs, one field
-  group at a time (an ``EOPNOTSUPP`` names its field), and reads back.
+- ``host/sriov_act.py`` carries out the guard's actions.
 
 Malformed sysfs values never raise: they become ``problems`` on the fact.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from nodeagent.core.actions import ActionOutcome, RestoreVf, SetNumVfs
 from nodeagent.core.sriov_model import (
     NETDEV_SIDE,
     PF_SIDE,
@@ -40,16 +36,15 @@ from nodeagent.core.sriov_model import (
     snapshot_from_json,
     snapshot_to_json,
 )
-from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.netlink import FIELD_GROUPS, GROUP_OF, LINK_FIELDS, SriovOps
+from nodeagent.host.netlink import SriovOps
 
 PCI_DEVICES = "sys/bus/pci/devices"
 SNAPSHOT_REL = "var/lib/nodeagent/sriov.json"
 CNI_CACHE_REL = "var/lib/cni/sriov"
 
 
-class _Sysfs:
+class Sysfs:
     """Fast sysfs reads under the host root (127 VFs are read on every pass).
 
     Relative paths built from sysfs names (never from input): joined as strings,
@@ -124,10 +119,14 @@ class SriovObserver:
         cni_cache: str = CNI_CACHE_REL,
     ) -> None:
         self.host = host
-        self.sys = _Sysfs(host)
+        self.sys = Sysfs(host)
         self.ops = ops
         self.store = store
         self.cni_cache = cni_cache
+
+    def read(self) -> tuple[SriovObservation, list[str]]:
+        """The observer's ``Readers.sriov``: the facts, and node-wide problems (none here)."""
+        return self.observe(), []
 
     def observe(self) -> SriovObservation:
         problems: list[str] = []
@@ -237,9 +236,10 @@ class SriovObserver:
 class SriovStore:
     """``var/lib/nodeagent/sriov.json`` (see the module doc)."""
 
-    def __init__(self, host: HostRoot, rel: str = SNAPSHOT_REL) -> None:
+    def __init__(self, host: HostRoot, rel: str = SNAPSHOT_REL, *, read_only: bool = False) -> None:
         self.host = host
         self.rel = rel
+        self.read_only = read_only
         self._read_ident: Any = None
         self._loaded = PersistedSnapshot()
         self._written: bytes | None = None
@@ -270,6 +270,8 @@ class SriovStore:
         return self._loaded
 
     def _set_aside(self, why: str) -> str:
+        if self.read_only:
+            return f"{self.rel} {why}"
         src = self.host.path(self.rel)
         dst = src.with_name(f"{src.name}.corrupt")
         try:
@@ -299,111 +301,4 @@ class SriovStore:
         return True
 
 
-class SriovActuator:
-    """Carries out the VF guard's actions through ``SriovOps`` (see the module doc)."""
-
-    def __init__(self, host: HostRoot, ops: SriovOps) -> None:
-        self.host = host
-        self.sys = _Sysfs(host)
-        self.ops = ops
-
-    def perform(self, action: RestoreVf | SetNumVfs) -> ActionOutcome:
-        try:
-            if isinstance(action, SetNumVfs):
-                return self._numvfs(action)
-            return self._restore(action)
-        except (OSError, NodeagentError) as exc:
-            code = exc.errno if isinstance(exc, OSError) else None
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            return ActionOutcome(
-                action=action, ok=False, errno=code, error=f"{action.describe()}: {why}"
-            )
-
-    def _numvfs(self, action: SetNumVfs) -> ActionOutcome:
-        if action.through_zero:
-            self.ops.set_numvfs(action.pf_pci, 0)
-        self.ops.set_numvfs(action.pf_pci, action.numvfs)
-        return ActionOutcome(action=action, ok=True)
-
-    def _pf_netdev(self, pf_pci: str) -> str:
-        name = self.sys.first_netdev(f"{PCI_DEVICES}/{pf_pci}")
-        if name is None:
-            raise OSError(errno.ENODEV, f"PF {pf_pci} has no netdev")
-        return name
-
-    def _restore(self, action: RestoreVf) -> ActionOutcome:
-        pf = self._pf_netdev(action.pf_pci)
-        want_pf = dict(action.pf_settings)
-        want_link = dict(action.link_settings)
-        detail: dict[str, str] = {}
-        errors: list[str] = []
-        have = self.ops.vf_settings(pf).get(action.index)
-        if have is None:
-            raise OSError(errno.ENODEV, f"{pf} reports no VF {action.index}")
-        for fields in FIELD_GROUPS.values():
-            mine = {f: want_pf[f] for f in fields if f in want_pf}
-            if not mine or all(have.get(f) == v for f, v in mine.items()):
-                continue
-            values = {f: want_pf.get(f, have.get(f)) for f in fields}  # vlan+qos, min+max
-            values = {f: v for f, v in values.items() if v is not None}
-            self._write(
-                lambda values=values: self.ops.set_vf(pf, action.index, values),
-                mine,
-                detail,
-                errors,
-            )
-        netdev = None
-        if want_link:
-            netdev = self.sys.first_netdev(f"{PCI_DEVICES}/{action.vf_pci}")
-            if netdev is None:
-                errors.append(f"VF {action.index} has no netdev for {', '.join(sorted(want_link))}")
-            else:
-                now = self.ops.links().get(netdev, {})
-                for name in LINK_FIELDS:  # mtu and address before bringing it up
-                    if name in want_link and now.get(name) != want_link[name]:
-                        value = want_link[name]
-                        self._write(
-                            lambda name=name, value=value: self.ops.set_link(netdev, name, value),
-                            {name: value},
-                            detail,
-                            errors,
-                        )
-        # Read back: the fields that were to be set must now hold their values.
-        back = dict(self.ops.vf_settings(pf).get(action.index) or {})
-        if netdev is not None:
-            back.update(self.ops.links().get(netdev, {}))
-        checked = {**want_pf, **(want_link if netdev is not None else {})}
-        for name, value in checked.items():
-            if detail.get(name) in ("unsupported",) or detail.get(name, "").startswith("error"):
-                continue
-            if back.get(name) != value:
-                detail[name] = f"read back {back.get(name)!r}"
-                errors.append(f"{name} reads back {back.get(name)!r}, not {value!r}")
-        return ActionOutcome(
-            action=action,
-            ok=not errors,
-            errno=None,
-            error="; ".join(errors) if errors else None,
-            detail=tuple(sorted(detail.items())),
-        )
-
-    @staticmethod
-    def _write(
-        do: Any, fields: Mapping[str, Any], detail: dict[str, str], errors: list[str]
-    ) -> None:
-        try:
-            do()
-        except OSError as exc:
-            if exc.errno == errno.EOPNOTSUPP:
-                for f in fields:
-                    detail[f] = "unsupported"
-                return
-            for f in fields:
-                detail[f] = f"error: {exc.strerror or exc}"
-            errors.append(f"{', '.join(fields)}: {exc.strerror or exc}")
-            return
-        for f in fields:
-            detail[f] = "written"
-
-
-__all__ = ["GROUP_OF", "SriovActuator", "SriovObserver", "SriovStore"]
+__all__ = ["PCI_DEVICES", "SriovObserver", "SriovStore"]
