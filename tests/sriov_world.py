@@ -9,6 +9,7 @@ layer does (only fields that differ are written).
 from __future__ import annotations
 
 import errno
+import itertools
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +25,7 @@ from nodeagent.core.sriov_model import (
 )
 
 PF_PCI = "0000:01:00.0"
+_IDENT = itertools.count(1000)  # every VF device created gets a new identity (sysfs inode)
 DEFAULTS: dict[str, Any] = {
     "mac": "00:00:00:00:00:00",
     "vlan": 0,
@@ -64,6 +66,7 @@ class WorldVf:
     pci: bool = True  # the PCI device exists
     netdev: str | None = None
     settings: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
+    ident: int = field(default_factory=lambda: next(_IDENT))
 
 
 @dataclass
@@ -116,6 +119,7 @@ class World:
                     driver="mlx5_core" if v.pci else None,
                     netdev=v.netdev,
                     settings=MappingProxyType(settings),
+                    ident=v.ident,
                 )
             )
         pf = PfSnapshot(

@@ -111,6 +111,41 @@ def test_disruption_freezes_the_snapshot_and_restores_each_vf_as_it_appears() ->
     assert run.verdict()["verdict"] == "restored" and run.verdict()["ok"] is True
 
 
+def test_vfs_destroyed_and_created_again_between_two_passes_are_a_disruption() -> None:
+    """numvfs 0 and back faster than a pass: same count, new devices, blank config."""
+    run = Run(World(3).configured())
+    run.step(0.0)
+    run.world.reload()  # new VF devices (new identities), no netdevs, default config
+    run.step(1.0)
+    assert run.phase() == "restoring"
+    assert "3 VFs destroyed and created again" in run.memory.pfs[PF_PCI].why
+    assert run.memory.pfs[PF_PCI].saved.vf(0).settings["vlan"] == 100  # type: ignore[union-attr]
+    for i in range(3):
+        run.world.netdev_appears(i)
+    run.step(2.0)
+    run.step(2.0)
+    assert run.phase() == "restored" and run.world.writes == {0: 1, 1: 1, 2: 1}
+    run.step(3.0)  # the restored devices are the snapshot's devices now: no new disruption
+    assert run.phase() == "restored"
+
+
+def test_a_restored_vf_whose_device_is_recreated_mid_restore_is_restored_again() -> None:
+    run = stable_then_unloaded(2)
+    run.world.reload()
+    run.world.netdev_appears(0)
+    run.step(2.0)
+    assert run.memory.pfs[PF_PCI].restores[0].status == "restored"
+    run.world.vfs[0] = type(run.world.vfs[0])(0)  # VF 0 destroyed and created again, blank
+    run.step(2.5)
+    assert run.memory.pfs[PF_PCI].restores[0].status == "waiting"
+    run.world.netdev_appears(0)
+    run.world.netdev_appears(1)
+    run.step(3.0)
+    run.step(3.0)
+    assert run.phase() == "restored"
+    assert run.world.writes == {0: 2, 1: 1}
+
+
 def test_config_that_already_matches_is_not_rewritten() -> None:
     """MOFED (or anyone) got there first: the guard reads, sees a match, writes nothing."""
     run = stable_then_unloaded(3)

@@ -122,6 +122,7 @@ class VfRestore:
     written: tuple[str, ...] = ()
     error: str | None = None
     reported: bool = False  # its outcome is in the timeline
+    ident: int | None = None  # the VF device incarnation it was restored on (see VfSnapshot)
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,26 @@ def _vfs_gone(obs: PfSnapshot | None, saved: SavedPf) -> str | None:
     present = sum(1 for v in obs.vfs if v.pci is not None)
     if (obs.numvfs or 0) < saved.numvfs or present < saved.numvfs:
         return f"sriov_numvfs {obs.numvfs} (was {saved.numvfs})"
+    recreated = [
+        sv.index
+        for sv in saved.vfs
+        if sv.ident is not None
+        and (ov := obs.vf(sv.index)) is not None
+        and ov.ident is not None
+        and ov.ident != sv.ident
+    ]
+    if recreated:  # numvfs went to 0 and back between two passes
+        return f"{len(recreated)} VFs destroyed and created again (new PCI devices)"
     return None
+
+
+def _with_idents(saved: SavedPf, obs: PfSnapshot) -> SavedPf:
+    """The saved config, now meaning the VF devices that exist (after a restore)."""
+    vfs = []
+    for sv in saved.vfs:
+        ov = obs.vf(sv.index)
+        vfs.append(replace(sv, ident=ov.ident if ov is not None else None))
+    return replace(saved, vfs=tuple(vfs))
 
 
 def _mofed_managed(p: _Pass, obs: PfSnapshot) -> bool:
@@ -243,8 +263,8 @@ def _disrupt(p: _Pass, mem: PfMemory, why: str) -> PfMemory:
 def _track(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
     """stable / restored: follow the owner's changes; notice a disruption."""
     why = _vfs_gone(obs, mem.saved)
-    if why is not None:
-        return _disrupt(p, mem, why)
+    if why is not None:  # (a PF still bound, e.g. numvfs 0 and back: restoring at once)
+        return _disrupted(p, _disrupt(p, mem, why), obs)
     if obs is not None and _stable_now(p, obs):
         new = saved_from_observed(obs, p.snap.sriov.attachments, p.now)
         if not same_config(new, mem.saved):
@@ -340,7 +360,7 @@ def _restore_one(p: _Pass, mem: PfMemory, sv: SavedVf, r: VfRestore, obs: PfSnap
         r = replace(r, ready_at=p.now)
     want = _wanted(sv, ov, mem.unsupported)
     if all(ov.settings.get(k) == v for k, v in want.items()):
-        return replace(r, status="restored", done_at=p.now, error=None)
+        return replace(r, status="restored", done_at=p.now, error=None, ident=ov.ident)
     if p.now >= r.deadline and r.attempts > 0:
         return replace(r, status="failed", done_at=p.now)
     if r.next_try is not None and p.now < r.next_try:
@@ -360,7 +380,13 @@ def _restore_one(p: _Pass, mem: PfMemory, sv: SavedVf, r: VfRestore, obs: PfSnap
             reason=f"differs in {', '.join(diff)}",
         )
     )
-    return r
+    return replace(r, ident=ov.ident)
+
+
+def _device_changed(r: VfRestore, ov: VfSnapshot | None) -> bool:
+    if ov is None or ov.pci is None:
+        return True
+    return r.ident is not None and ov.ident is not None and ov.ident != r.ident
 
 
 def _restoring(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
@@ -370,6 +396,9 @@ def _restoring(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
     restores = dict(mem.restores)
     for sv in mem.saved.vfs:
         r = restores.get(sv.index) or VfRestore(deadline=p.now + p.policy.vf_deadline_s)
+        if r.status == "restored" and _device_changed(r, obs.vf(sv.index)):
+            # Restored on a device that is gone or was created again: not restored any more.
+            r = VfRestore(deadline=max(r.deadline, p.now + p.policy.vf_deadline_s))
         if r.status == "waiting":
             restores[sv.index] = _restore_one(p, mem, sv, r, obs)
     mem = replace(mem, restores=MappingProxyType(restores))
@@ -390,9 +419,9 @@ def _restoring(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
             f"PF {mem.saved.pci}: degraded: {n - len(failed)}/{n} VFs restored; "
             + "; ".join(f"VF {i}: {r.error}" for i, r in sorted(failed.items())[:4])
         )
-        return replace(mem, phase="degraded", since=p.now)
+        return replace(mem, phase="degraded", since=p.now, saved=_with_idents(mem.saved, obs))
     p.events.append(f"PF {mem.saved.pci}: all {n} VFs restored, {took:.2f} s after it came back")
-    return replace(mem, phase="restored", since=p.now)
+    return replace(mem, phase="restored", since=p.now, saved=_with_idents(mem.saved, obs))
 
 
 def _report(p: _Pass, mem: PfMemory) -> PfMemory:
@@ -633,6 +662,7 @@ class SriovGuard:
                             "written": list(r.written),
                             "error": r.error,
                             "reported": r.reported,
+                            "ident": r.ident,
                         }
                         for i, r in sorted(m.restores.items())
                     },
@@ -761,6 +791,7 @@ def _memory_from_json(data: Mapping[str, Any]) -> SriovMemory:
                 written=tuple(str(x) for x in r.get("written") or ()),
                 error=r.get("error"),
                 reported=bool(r.get("reported")),
+                ident=r.get("ident") if isinstance(r.get("ident"), int) else None,
             )
         pfs[saved.pci] = PfMemory(
             saved=saved,

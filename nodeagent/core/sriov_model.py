@@ -131,6 +131,9 @@ class VfSnapshot:
     netdev: str | None  # its netdev in the host network namespace, if any
     settings: Settings  # PF-side fields from IFLA_VFINFO_LIST, netdev fields when netdev
     problems: tuple[str, ...] = ()
+    # Identity of this incarnation of the VF's PCI device (its sysfs inode): a VF
+    # destroyed and created again between two passes is a new device.
+    ident: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,7 @@ class SavedVf:
     driver: str | None
     netdev: str | None  # host netdev name when saved (None: in a pod netns, vfio, unbound)
     settings: Settings
+    ident: int | None = None  # the VF device incarnation it was saved from (see VfSnapshot)
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,7 @@ def saved_from_observed(
         numvfs=pf.numvfs or 0,
         eswitch_mode=pf.eswitch_mode,
         vfs=tuple(
-            SavedVf(v.index, v.pci, v.driver, v.netdev, MappingProxyType(dict(v.settings)))
+            SavedVf(v.index, v.pci, v.driver, v.netdev, MappingProxyType(dict(v.settings)), v.ident)
             for v in pf.vfs
         ),
         saved_at=now,
@@ -268,6 +272,7 @@ def saved_pf_to_json(pf: SavedPf) -> dict[str, Any]:
                 "driver": v.driver,
                 "netdev": v.netdev,
                 "settings": dict(sorted(v.settings.items())),
+                "ident": v.ident,
             }
             for v in pf.vfs
         ],
@@ -281,6 +286,12 @@ def saved_pf_to_json(pf: SavedPf) -> dict[str, Any]:
             for a in pf.attachments
         ],
     }
+
+
+def _opt_int(v: Any, where: str) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise SriovValueError(f"{where}: {v!r} is not an integer")
+    return v
 
 
 def _opt_str(d: Mapping[str, Any], key: str, where: str) -> str | None:
@@ -328,6 +339,7 @@ def saved_pf_from_json(d: Any, where: str) -> SavedPf:
                 driver=_opt_str(raw, "driver", w),
                 netdev=_opt_str(raw, "netdev", w),
                 settings=MappingProxyType(check_settings(settings, f"{w}.settings")),
+                ident=_opt_int(raw.get("ident"), f"{w}.ident"),
             )
         )
     atts = []

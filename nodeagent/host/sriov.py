@@ -67,6 +67,13 @@ class Sysfs:
         except OSError:
             return []
 
+    def ident(self, rel: str) -> int | None:
+        """The inode of a sysfs directory: a device destroyed and created again gets another."""
+        try:
+            return os.stat(f"{self.root}/{rel}").st_ino
+        except OSError:
+            return None
+
     def first_netdev(self, dev: str) -> str | None:
         names = self.listdir(f"{dev}/net")
         return names[0] if names else None
@@ -196,6 +203,7 @@ class SriovObserver:
                     netdev=vf_netdev,
                     settings=MappingProxyType(settings),
                     problems=tuple(bad),
+                    ident=sysfs.ident(vdev) if vdev else None,
                 )
             )
         return PfSnapshot(
