@@ -60,6 +60,7 @@ Phase = Literal["stable", "disrupted", "restoring", "restored", "degraded"]
 PHASES: tuple[Phase, ...] = ("stable", "restored", "disrupted", "restoring", "degraded")
 NUMVFS_OWNERS = ("agent", "sriov-operator", "mofed")
 VfStatus = Literal["waiting", "restored", "failed"]
+ZERO_MAC = "00:00:00:00:00:00"
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,12 @@ def _stable_now(p: _Pass, obs: PfSnapshot | None) -> bool:
 def _wanted(sv: SavedVf, ov: VfSnapshot, unsupported: tuple[str, ...]) -> dict[str, Any]:
     """What to bring back on this VF now: PF-side fields always; netdev fields where it has one."""
     sides = PF_SIDE + (NETDEV_SIDE if sv.netdev is not None and ov.netdev is not None else ())
-    return {k: v for k, v in sv.settings.items() if k in sides and k not in unsupported}
+    want = {k: v for k, v in sv.settings.items() if k in sides and k not in unsupported}
+    if sv.settings.get("mac", ZERO_MAC) != ZERO_MAC:
+        # An admin MAC governs the VF's address: the driver takes it on its next
+        # (re)load (igb: "Reload the VF driver"), and may refuse the VF setting its own.
+        want.pop("address", None)
+    return want
 
 
 def _changed_vfs(old: SavedPf, new: SavedPf) -> list[str]:
