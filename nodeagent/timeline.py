@@ -67,3 +67,21 @@ class Timeline:
                         continue
                     if isinstance(rec, dict):
                         yield rec
+
+
+# Lists in status.json and in records are cut to this many items, with a note of
+# how many were left out: the node decides their length (e.g. 10,000 validation
+# markers), and status.json is rewritten and fsynced on every pass.
+MAX_LIST_ITEMS = 64
+
+
+def bounded(doc: Any, max_items: int = MAX_LIST_ITEMS) -> Any:
+    """``doc`` with every list longer than ``max_items`` cut, saying how many were left out."""
+    if isinstance(doc, Mapping):
+        return {k: bounded(v, max_items) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        items = [bounded(v, max_items) for v in doc[:max_items]]
+        if len(doc) > max_items:
+            items.append(f"... {len(doc) - max_items} more left out")
+        return items
+    return doc

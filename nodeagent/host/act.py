@@ -45,7 +45,12 @@ class Actuator:
         kernel_log: KernelLog,
         attempts: int = 3,
         first_wait_s: float = 0.05,
+        verified_fd: Callable[[str], int | None] | None = None,
     ) -> None:
+        """``verified_fd(path)``: the descriptor the observer read and checked ``path`` from;
+        a load uses it, never a second lookup. Without it (tools, tests) the file is
+        opened once, inside the host root, and loaded by that descriptor."""
+        self.verified_fd = verified_fd
         self.host = host
         self.ops = ops
         self.kernel_log = kernel_log
@@ -60,13 +65,31 @@ class Actuator:
             reraise=True,
         )
 
+    def _load(self, action: LoadModuleFile) -> None:
+        if self.verified_fd is not None:
+            fd = self.verified_fd(action.path)
+            if fd is None:
+                raise NodeagentError(
+                    f"{action.path} changed or was not read cleanly since the gate checked it; "
+                    "it is checked again on the next pass"
+                )
+            self._insert(fd, action)
+            return
+        fd, _st = self.host.open_regular(action.path, follow=True)
+        try:
+            self._insert(fd, action)
+        finally:
+            os.close(fd)
+
+    def _insert(self, fd: int, action: LoadModuleFile) -> None:
+        for attempt in self._retrying("load"):
+            with attempt:
+                self.ops.insert_fd(fd, action.module, action.params)
+
     def perform(self, action: Action) -> ActionOutcome:
         try:
             if isinstance(action, LoadModuleFile):
-                path = str(self.host.path(action.path))
-                for attempt in self._retrying("load"):
-                    with attempt:
-                        self.ops.insert_file(path, action.params)
+                self._load(action)
             elif isinstance(action, UnloadModule):
                 for attempt in self._retrying("unload"):
                     with attempt:

@@ -20,10 +20,12 @@ import os
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from nodeagent.core.names import normalize_module_name
+from nodeagent.host.fs import read_capped
 
 __all__ = ["find_module", "module_dependencies"]
 
@@ -38,7 +40,7 @@ class _Entry:
     deps: tuple[str, ...]  # normalized module names, in modules.dep order
 
 
-_CacheKey = tuple[str, int, int]
+_CacheKey = tuple[str, int, int, int]
 _cache: OrderedDict[_CacheKey, dict[str, _Entry]] = OrderedDict()
 _cache_lock = threading.Lock()
 
@@ -69,24 +71,35 @@ def _parse(text: str) -> dict[str, _Entry]:
     return entries
 
 
-def _load(moddir: str | os.PathLike[str]) -> dict[str, _Entry] | None:
+Opener = Callable[[str], int]
+
+
+def _open_plain(path: str) -> int:
+    # Non-blocking: a FIFO planted at modules.dep must not hang the agent (refused below).
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _load(moddir: str | os.PathLike[str], opener: Opener | None = None) -> dict[str, _Entry] | None:
+    """The parsed ``modules.dep``; None when missing, unreadable, not a file or over the cap.
+
+    ``opener`` opens the file (the agent's resolves it inside the host root).
+    """
     depfile = os.path.join(os.fspath(moddir), "modules.dep")
     try:
-        fd = os.open(depfile, os.O_RDONLY | os.O_CLOEXEC)
+        fd = (opener or _open_plain)(depfile)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MODULES_DEP:
             return None
-        key = (os.path.abspath(depfile), st.st_mtime_ns, st.st_size)
+        key = (os.path.abspath(depfile), st.st_ino, st.st_mtime_ns, st.st_size)
         with _cache_lock:
             hit = _cache.get(key)
             if hit is not None:
                 _cache.move_to_end(key)
                 return hit
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(min(st.st_size, _MAX_MODULES_DEP) + 1)  # not 64 MiB up front
+        raw = read_capped(fd, _MAX_MODULES_DEP)
     except OSError:
         return None
     finally:
@@ -124,13 +137,15 @@ def _inside(moddir: str, relpath: str) -> Path | None:
     return None
 
 
-def find_module(moddir: str | os.PathLike[str], name: str) -> Path | None:
+def find_module(
+    moddir: str | os.PathLike[str], name: str, opener: Opener | None = None
+) -> Path | None:
     """The file ``modules.dep`` names for ``name``, or None.
 
     None when ``modules.dep`` is missing or unreadable, the module is not
-    listed, or its path escapes ``moddir``. The file itself is not opened.
+    listed, or its path escapes ``moddir``. The module file itself is not opened.
     """
-    entries = _load(moddir)
+    entries = _load(moddir, opener)
     if entries is None:
         return None
     entry = entries.get(normalize_module_name(name))

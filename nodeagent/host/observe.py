@@ -3,15 +3,17 @@
 Level-triggered: every pass re-reads everything the guards look at, so a
 missed event costs nothing but one pass. Malformed values never raise: they
 become ``problems`` on the fact they concern, which the guards turn into
-closed reasons. Parsed .ko files are cached by (inode, mtime, size), so a
-pass after the first costs a few hundred small sysfs reads.
+closed reasons. Parsed .ko files are cached by their identity (device,
+inode, mtime, ctime, size), so a pass after the first costs a few hundred
+small sysfs reads. The descriptor each cached .ko was read from stays open:
+a load inserts that very file (``verified_fd``), never a second lookup by path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from pathlib import Path
 from types import MappingProxyType
 
 from nodeagent.config import Config
@@ -24,10 +26,12 @@ from nodeagent.host.modfile import (
     ModuleFile,
     ModuleFileError,
     parse_build_id_note,
-    read_module_file,
+    read_module_fd,
 )
 
 INITSTATES = ("live", "coming", "going")
+_KO_CACHE_MAX = 64  # each entry holds an open descriptor
+_KoKey = tuple[str, int, int, int, int, int]
 _SRCVERSION = re.compile(r"[0-9A-Fa-f]{1,64}")
 
 
@@ -35,7 +39,9 @@ class Observer:
     def __init__(self, host: HostRoot, cfg: Config) -> None:
         self.host = host
         self.cfg = cfg
-        self._ko_cache: dict[tuple[str, int, int, int], ModuleFile | str] = {}
+        # identity key -> (parse result, the descriptor it was read from)
+        self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
+        self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
 
     # -- loaded modules -----------------------------------------------------
 
@@ -72,7 +78,7 @@ class Observer:
         refcnt: int | None = None
         raw_ref = self._attr(d, "refcnt", problems)
         if raw_ref is not None:
-            if raw_ref.isdigit():
+            if raw_ref.isascii() and raw_ref.isdigit():  # "²".isdigit() is True
                 refcnt = int(raw_ref)
             else:
                 problems.append(f"refcnt is {raw_ref[:40]!r} (not a number)")
@@ -134,11 +140,11 @@ class Observer:
     def read_disk_module(self, name: str, kernel: str) -> DiskModule:
         dirs = self.module_dirs(name, kernel)
         for rel_dir in dirs:
-            found = find_module(self.host.path(rel_dir), name)
+            found = find_module(self.host.path(rel_dir), name, self._open_in_root)
             if found is None:
                 continue
-            rel = os.path.relpath(found, self.host.root)
-            parsed = self._parse_ko(Path(found))
+            rel = self.host.rel_of(found)
+            parsed = self._parse_ko(rel)
             if isinstance(parsed, str):
                 return DiskModule(name=name, path=rel, problem=parsed)
             return disk_module(parsed, rel, name)
@@ -146,25 +152,62 @@ class Observer:
             name=name, path=None, problem=f"not in modules.dep under {' or '.join(dirs)}"
         )
 
-    def _parse_ko(self, path: Path) -> ModuleFile | str:
+    def _open_in_root(self, path: str) -> int:
+        return self.host.open(self.host.rel_of(path), follow=True)
+
+    def _parse_ko(self, rel: str) -> ModuleFile | str:
+        """Parse the .ko at ``rel`` (resolved inside the root); a string says what is wrong."""
         try:
-            st = os.stat(path)
+            fd, st = self.host.open_regular(rel, follow=True)
         except OSError as exc:
-            return f"cannot stat {path.name}: {exc.strerror}"
-        key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+            self._verified.pop(rel, None)
+            return f"cannot read {rel}: {exc.strerror or exc}"
+        key: _KoKey = (rel, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
         cached = self._ko_cache.get(key)
         if cached is not None:
-            return cached
-        try:
-            result: ModuleFile | str = read_module_file(path)
-        except ModuleFileError as exc:
-            result = str(exc)
-        except OSError as exc:
-            result = f"cannot read {path.name}: {exc.strerror}"
-        if len(self._ko_cache) > 256:
-            self._ko_cache.clear()
-        self._ko_cache[key] = result
+            os.close(fd)
+            result, fd = cached
+        else:
+            try:
+                result = read_module_fd(fd, rel)
+            except ModuleFileError as exc:
+                result = str(exc)
+            if len(self._ko_cache) >= _KO_CACHE_MAX:
+                self._drop_cache()
+            self._ko_cache[key] = (result, fd)
+        if isinstance(result, str):
+            self._verified.pop(rel, None)
+        else:
+            self._verified[rel] = (fd, key)
         return result
+
+    def _drop_cache(self) -> None:
+        for _result, fd in self._ko_cache.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._ko_cache.clear()
+        self._verified.clear()
+
+    def verified_fd(self, rel: str) -> int | None:
+        """The open descriptor of the .ko this observer last read and parsed at ``rel``.
+
+        None when it was not read cleanly, or the file behind the descriptor
+        changed since (size, mtime or ctime): it must be verified again first.
+        """
+        entry = self._verified.get(rel)
+        if entry is None:
+            return None
+        fd, key = entry
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size) != key[1:]:
+            return None
+        return fd
+
+    def close(self) -> None:
+        self._drop_cache()
 
     # -- the whole node -------------------------------------------------------
 
@@ -195,7 +238,8 @@ class Observer:
             kernel=kernel,
             modules=MappingProxyType(modules),
             mofed_ready=self.host.file_fact(paths.mofed_ready),
-            mofed_blacklist=self.host.file_fact(paths.mofed_blacklist),
+            # Presence of the blacklist means "MOFED is restarting": an odd entry counts.
+            mofed_blacklist=self.host.file_fact(paths.mofed_blacklist, odd_is_present=True),
             mofed_lock=self.host.file_fact(paths.mofed_lock),
             validations=tuple(self.host.listdir(paths.validations)),
             disk=MappingProxyType(disk),
