@@ -217,7 +217,7 @@ class Agent:
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)
-        if doc == self._saved_memory:
+        if doc == self._saved_memory and self.state.memory_intact():
             return
         try:
             self.state.save_memory(doc)

@@ -28,11 +28,10 @@ import pytest
 import zstandard
 
 from nodeagent.cli import main
-from nodeagent.sim.modtree import GPU_MODULES, RDMA_MODULES
-from nodeagent.sim.node import BLACKLIST, READY, Node
-from nodeagent.sim.scenarios import MOFED_2507, NVIDIA
+from nodeagent.sim.node import BLACKLIST, READY
 
-KVER = "6.1.0-test"
+from .healthy import KVER, healthy_node
+
 GPU_DIR = f"run/nvidia/driver/lib/modules/{KVER}"
 MOFED_DIR = f"run/mellanox/drivers/lib/modules/{KVER}"
 PEER = f"{GPU_DIR}/kernel/drivers/video/nvidia-peermem.ko"
@@ -51,17 +50,7 @@ RETURN_WITHIN = 30.0  # seconds: a case that has not returned by then hangs (fai
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("healthy-node")
-    node = Node(root, KVER, seed=0)
-    node.kernel.init_delay = node.kernel.exit_delay = 0.0
-    node.install(MOFED_2507, RDMA_MODULES, "mofed")
-    node.write_headers(MOFED_2507, RDMA_MODULES)
-    node.install(NVIDIA, GPU_MODULES, "gpu", against=node.headers())
-    with node.sched.world:
-        for m in ("mlx5_core", "mlx5_ib", "ib_uverbs"):
-            node.kernel.modprobe(m, node.mofed_moddir)
-        node.kernel.modprobe("nvidia", node.gpu_moddir)
-    node.write(READY)
-    node.kernel.uevent_source.close()
+    healthy_node(root).kernel.uevent_source.close()
     return root
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent.core.reconcile import AgentMemory, Reconciler
+from nodeagent.core.snapshot import FileId
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import STATE_MAX, STATUS_MAX, HostRoot
 
@@ -53,6 +54,7 @@ class StateStore:
         self.clock = clock
         self.memory_rel = f"{state_dir}/state.json"
         self.status_rel = f"{state_dir}/status.json"
+        self._written: FileId | None = None  # identity of the last memory file written
 
     def load_memory(
         self, reconciler: Reconciler, *, read_only: bool = False
@@ -111,7 +113,18 @@ class StateStore:
     def save_memory(self, guards: Mapping[str, Any]) -> None:
         """``guards``: the reconciler's ``memory_to_json`` document."""
         doc = {"version": STATE_VERSION, "guards": guards}
+        self._written = None
         self.host.write_atomic(self.memory_rel, dumps(doc))
+        self._written = self.host.file_fact(self.memory_rel).ident
+
+    def memory_intact(self) -> bool:
+        """The file this store last wrote is still there, untouched (one stat).
+
+        Lets the agent skip rewriting unchanged memory without trusting a file
+        that was since removed or replaced (then it is written again).
+        """
+        written = self._written
+        return written is not None and self.host.file_fact(self.memory_rel).ident == written
 
     def write_status(self, status: Mapping[str, Any]) -> None:
         self.host.write_atomic(self.status_rel, dumps(status))
