@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _main(argv)
+        rc = _main(argv)
+        sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at exit
+        return rc
     except BrokenPipeError:  # `nodeagent check | head`: the reader left; stop quietly
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -242,11 +244,12 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
     gates = GateFiles(host, cfg.paths.state_dir)
     guards = _get(status, "guards", dict, {})
     if as_json:
-        doc = {
+        extra = {
             "agent": {"reconciling": alive, "summary": liveness},
-            "gates": {g: vars(gates.read(g, now)) for g in guards},
-            "status": status,
+            "gate_files": {g: vars(gates.read(str(g), now)) for g in guards},
         }
+        # The agent's document as written, with what this reader found added.
+        doc = {**status, **extra} if isinstance(status, dict) else {"status": status, **extra}
         print(json.dumps(doc, indent=2, default=str))
         return EXIT_OPEN if alive else EXIT_CLOSED
     print(

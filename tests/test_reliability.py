@@ -235,3 +235,34 @@ def test_status_tells_a_dead_agent_from_an_idle_one(
         assert "agent not reconciling since" in capsys.readouterr().err
     finally:
         node.kernel.uevent_source.close()
+
+
+# -- the command line ---------------------------------------------------------------
+
+
+def test_output_to_a_closed_pipe_exits_quietly(root: Path) -> None:
+    proc = subprocess.Popen(
+        [PY, "-m", "nodeagent", "check", "--host-root", str(root), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # `check | head -0`: the reader is gone before anything is written
+    rc = proc.wait(timeout=30)
+    assert rc == 141 and proc.stderr.read() == b""
+
+
+def test_status_json_keeps_the_agents_document_and_adds_liveness(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    once = subprocess.run(
+        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(root)],
+        capture_output=True,
+        timeout=30,
+    )
+    assert once.returncode == 0
+    assert main(["status", "--host-root", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["guards"]["peermem"]["verdict"] == "closed" and doc["mode"] == "observe"
+    assert doc["agent"]["reconciling"] is True
+    assert doc["gate_files"]["peermem"]["is_open"] is False
