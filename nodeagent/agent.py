@@ -15,15 +15,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nodeagent import __version__
 from nodeagent.config import Config
 from nodeagent.core.actions import ActionOutcome
 from nodeagent.core.guard import Verdict
-from nodeagent.core.peermem import PeermemGate
 from nodeagent.core.reconcile import AgentMemory, Reconciler
+from nodeagent.core.registry import build_reconciler as build_guard_reconciler
 from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
@@ -31,7 +30,7 @@ from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSour
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
 from nodeagent.host.kmod import ModuleOps, default_module_ops
-from nodeagent.host.observe import Observer
+from nodeagent.host.observe import Observer, Readers
 from nodeagent.host.state import StateStore
 from nodeagent.timeline import Timeline, bounded
 
@@ -39,7 +38,22 @@ log = logging.getLogger("nodeagent")
 
 
 def build_reconciler(cfg: Config) -> Reconciler:
-    return Reconciler([PeermemGate(cfg.peermem)])
+    """Every guard of core/registry.py with its configured policy."""
+    return build_guard_reconciler(cfg.policies, cfg.paths)
+
+
+def action_record(o: ActionOutcome) -> dict[str, Any]:
+    return {
+        "kind": "action",
+        "guard": o.action.guard,
+        "action": o.action.describe(),
+        "reason": o.action.reason,
+        "performed": o.performed,
+        "ok": o.ok,
+        "errno": o.errno,
+        "error": o.error,
+        "kernel_messages": list(o.kernel_messages),
+    }
 
 
 @dataclass(frozen=True)
@@ -62,11 +76,13 @@ class Agent:
         pass_context: Callable[[], AbstractContextManager[object]] | None = None,
         on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        readers: Readers | None = None,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
         the exception; ``on_record``
         sees every timeline record. All three are for embedding; the daemon uses none.
+        ``readers`` replaces the observer's readers of locks, mounts, NVMe and SR-IOV.
         """
         self.cfg = cfg
         self.pass_context = pass_context or nullcontext
@@ -74,8 +90,8 @@ class Agent:
         self.on_record = on_record
         self.host = HostRoot(cfg.host_root)
         self.clock = clock
-        self.observer = Observer(self.host, cfg)
         self.reconciler = build_reconciler(cfg)
+        self.observer = Observer(self.host, cfg, self.reconciler.needs(), readers)
         self.actuator = Actuator(
             self.host,
             module_ops or default_module_ops(),
@@ -124,7 +140,7 @@ class Agent:
                 result = self._pass(woken_by)
             except BaseException as exc:
                 # Fail closed: a pass that did not complete vouches for no gate.
-                for p in self.gates.withdraw(self.reconciler.guards):
+                for p in self.gates.withdraw(self.reconciler.gates):
                     log.error(p)
                 if self.on_pass is not None and isinstance(exc, Exception):
                     self.on_pass(None, exc)
@@ -141,20 +157,18 @@ class Agent:
         # Fail closed first: a closed gate's file goes before memory, status, timeline
         # or any action (gatefile.py has the whole order).
         self._pass_problems += self.gates.withdraw(
-            g for g, v in rec.verdicts.items() if not v.is_open
+            g for g in self.reconciler.gates if not rec.verdicts[g].ok
         )
         memory = rec.memory
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
         # stale") is on disk before any action runs, so dying mid-action loses nothing.
         self._save_memory(memory)
-        enforce = self.cfg.mode == "enforce"
         outcomes: list[ActionOutcome] = []
-        for action in rec.actions:
-            if enforce:
-                outcome = self.actuator.perform(action)
-            else:
-                outcome = ActionOutcome(action=action, ok=True, performed=False)
-            outcomes.append(outcome)
+        if self.cfg.mode == "enforce":
+            for guard_outcomes in self.actuator.run_plans(rec.plans).values():
+                outcomes.extend(guard_outcomes)
+        else:
+            outcomes = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
         memory = self.reconciler.absorb(memory, outcomes, self.clock())
 
         signature = (
@@ -182,19 +196,7 @@ class Agent:
         for o in outcomes:
             if not o.performed and not changed:
                 continue  # observe mode: the same undone action is recorded once, not per pass
-            self.record(
-                {
-                    "kind": "action",
-                    "guard": o.action.guard,
-                    "action": o.action.describe(),
-                    "reason": o.action.reason,
-                    "performed": o.performed,
-                    "ok": o.ok,
-                    "errno": o.errno,
-                    "error": o.error,
-                    "kernel_messages": list(o.kernel_messages),
-                }
-            )
+            self.record(action_record(o))
 
         self.memory = memory
         self._save_memory(memory)
@@ -204,10 +206,10 @@ class Agent:
             self._bookkeeping_failed("status write failed", exc, vouch=False)
         # Publish last, and only from a pass whose bookkeeping held: a gate file says
         # "a recent, completed pass decided open".
-        gates_open = {g: v.is_open for g, v in rec.verdicts.items()}
         if not self._can_vouch:
-            self.gates.withdraw(self.reconciler.guards)
+            self.gates.withdraw(self.reconciler.gates)
         else:
+            gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
             for p in self.gates.publish(gates_open, now, self.cfg.resync_seconds):
                 log.error(p)
         with self._pass_done:
@@ -273,10 +275,17 @@ class Agent:
     # -- the loop -------------------------------------------------------------
 
     def watched_dirs(self) -> list[str]:
-        """Where the markers live; sysfs emits no inotify events (uevents + resync cover it)."""
-        p = self.cfg.paths
-        dirs = {str(Path(f).parent) for f in (p.mofed_ready, p.mofed_lock, p.mofed_blacklist)}
-        return sorted(dirs | {p.validations})
+        """Derived from the guards' declared needs (marker files' parents, listed dirs)."""
+        return self.observer.needs.watch_dirs()
+
+    def _stop_actions(self) -> None:
+        """What guards undo when the agent stops (e.g. a hold file), enforce mode only."""
+        if self.cfg.mode != "enforce":
+            return
+        plans = self.reconciler.on_stop(self.memory)
+        for outcomes in self.actuator.run_plans(plans).values():
+            for o in outcomes:
+                self.record(action_record(o))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -315,5 +324,6 @@ class Agent:
                 woken_by = waker.wait(max(0.0, deadline - now))
         finally:
             watch.close()
+            self._stop_actions()
             self.record({"kind": "stop"})
             self.poke.close()

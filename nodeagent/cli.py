@@ -1,8 +1,9 @@
 """Command line: ``nodeagent run|check|status|wait|simulate``.
 
-Exit codes: 0 success / every guard open; 1 a guard is closed, a wait timed
-out, no status exists or the agent is not reconciling; 2 a usage or input
-error (printed as one line); 141 the reader of our output went away.
+Exit codes: 0 success / every guard ok; 1 a guard is not ok (a gate closed,
+storage blocking MOFED ...), a wait timed out, no status exists or the agent
+is not reconciling; 2 a usage or input error (printed as one line); 141 the
+reader of our output went away.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nodeagent import __version__
 from nodeagent.config import Config, load_config
 from nodeagent.errors import NodeagentError
 
-EXIT_OPEN, EXIT_CLOSED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_NOT_OK, EXIT_USAGE = 0, 1, 2
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +47,13 @@ def _timeout(text: str) -> float:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-root", help="the node's root (default: $NODEAGENT_HOST_ROOT or /)")
     p.add_argument("--config", help="TOML config file")
+
+
+def _gate_names() -> list[str]:
+    from nodeagent.core.paths import HostPaths
+    from nodeagent.core.registry import build_guards
+
+    return [g.name for g in build_guards({}, HostPaths()) if g.gate]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     wait = sub.add_parser("wait", help="block until a gate is open (for init containers)")
     _common(wait)
-    wait.add_argument("gate", choices=["peermem"])
+    wait.add_argument("gate", choices=_gate_names())
     wait.add_argument("--timeout", type=_timeout, default=None, help="seconds (default: forever)")
 
     sim = sub.add_parser(
@@ -162,17 +170,17 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
 
 
 def cmd_check(cfg: Config, as_json: bool) -> int:
-    from nodeagent.agent import build_reconciler
+    from nodeagent.core.registry import build_reconciler
     from nodeagent.host.fs import HostRoot
     from nodeagent.host.observe import Observer
     from nodeagent.host.state import StateStore
     from nodeagent.timeline import bounded
 
     host = HostRoot(cfg.host_root)
-    reconciler = build_reconciler(cfg)
+    reconciler = build_reconciler(cfg.policies, cfg.paths)
     # Read-only use of the daemon's memory, so a stale flag is judged as the daemon would.
     memory, problems = StateStore(host, cfg.paths.state_dir).load_memory(reconciler, read_only=True)
-    observer = Observer(host, cfg)
+    observer = Observer(host, cfg, reconciler.needs())
     snap = observer.observe(time.time())
     observer.close()
     rec = reconciler.decide(snap, memory)
@@ -193,7 +201,7 @@ def cmd_check(cfg: Config, as_json: bool) -> int:
             print(f"{guard}: {v.verdict}")
             for reason in v.reasons:
                 print(f"  - {safe(reason)}")
-    return EXIT_OPEN if all(v.is_open for v in rec.verdicts.values()) else EXIT_CLOSED
+    return EXIT_OK if all(v.ok for v in rec.verdicts.values()) else EXIT_NOT_OK
 
 
 def _get(doc: Any, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -228,7 +236,7 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
         raise NodeagentError(f"{store.status_rel}: unreadable: {why}") from None
     if status is None:
         print(f"no agent status at {store.status_rel}: nodeagent has not run on this node")
-        return EXIT_CLOSED
+        return EXIT_NOT_OK
     now = time.time()
     last = _get(status, "time", (int, float))
     resync = _get(status, "resync_seconds", (int, float), cfg.resync_seconds)
@@ -243,15 +251,16 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
         )
     gates = GateFiles(host, cfg.paths.state_dir)
     guards = _get(status, "guards", dict, {})
+    gate_names = _gate_names()
     if as_json:
         extra = {
             "agent": {"reconciling": alive, "summary": liveness},
-            "gate_files": {g: vars(gates.read(str(g), now)) for g in guards},
+            "gate_files": {g: vars(gates.read(g, now)) for g in gate_names},
         }
         # The agent's document as written, with what this reader found added.
         doc = {**status, **extra} if isinstance(status, dict) else {"status": status, **extra}
         print(json.dumps(doc, indent=2, default=str))
-        return EXIT_OPEN if alive else EXIT_CLOSED
+        return EXIT_OK if alive else EXIT_NOT_OK
     print(
         f"nodeagent {safe(_get(status, 'version', str, '?'))} "
         f"mode={safe(_get(status, 'mode', str, '?'))} "
@@ -259,9 +268,10 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
     )
     print(safe(liveness))
     for guard, v in guards.items():
-        reading = gates.read(str(guard), now)
-        print(f"{safe(guard)}: {safe(_get(v, 'verdict', str, 'unknown'))} (last pass); "
-              f"gate file: {safe(reading.reason)}")  # fmt: skip
+        verdict = f"{safe(guard)}: {safe(_get(v, 'verdict', str, 'unknown'))} (last pass)"
+        if guard in gate_names:
+            verdict += f"; gate file: {safe(gates.read(guard, now).reason)}"
+        print(verdict)
         for reason in _get(v, "reasons", list, []):
             print(f"  - {safe(reason)}")
     for p in _get(status, "problems", list, []):
@@ -270,7 +280,7 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
         state = "done" if _get(a, "performed", bool) else "decided (observe mode)"
         result = "ok" if _get(a, "ok", bool) else f"failed: {safe(_get(a, 'error', str, '?'))}"
         print(f"last action: {safe(_get(a, 'action', str, '?'))} — {state}, {result}")
-    return EXIT_OPEN if alive else EXIT_CLOSED
+    return EXIT_OK if alive else EXIT_NOT_OK
 
 
 def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
@@ -290,14 +300,14 @@ def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
             reading = gates.read(gate, time.time())
             if reading.is_open:
                 print(f"{gate} gate is {reading.reason}")
-                return EXIT_OPEN
+                return EXIT_OK
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 print(
                     f"timed out waiting for the {gate} gate: {safe(reading.reason)}",
                     file=sys.stderr,
                 )
-                return EXIT_CLOSED
+                return EXIT_NOT_OK
             # Poll every second too: a watch set on a parent that later moved, and a
             # gate going stale, produce no event.
             waker.wait(1.0 if left is None else min(1.0, left))

@@ -276,7 +276,7 @@ CASES = [
     check("osrelease-fifo", fifo("proc/sys/kernel/osrelease"), "closed", "kernel release unreadable", "FIFO"),
     check("osrelease-oversized", put("proc/sys/kernel/osrelease", "6" * 1000), "closed", "kernel release unreadable"),
     check("sys-module-missing", gone("sys/module"), "closed", "nvidia is not loaded", "no loadable modules"),
-    check("sys-module-is-a-file", put("sys/module", "x"), "closed", "nvidia is not loaded", "sys/module is unreadable"),
+    check("sys-module-is-a-file", put("sys/module", "x"), "closed", "nvidia is not loaded", "sys/module does not exist"),
     check("module-dir-odd-names", both(directory("sys/module/mlx5 core"), directory("sys/module/..x")), "open"),
     # -- markers
     check("ready-flag-absent", gone(READY), "closed", "ready flag", "is absent"),

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.actions import UnloadModule
-from nodeagent.core.peermem import PeermemGate
+from nodeagent.core.mofed import restart_signals
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
 
@@ -103,7 +103,6 @@ def test_gate_never_lies_and_the_restart_unload_is_never_skipped(
     kernel = FlakyKernel(node)
     cfg = Config(host_root=str(root), mode="enforce", uevents=False)
     agent = Agent(cfg, module_ops=kernel, kernel_log=node.kernel.kernel_messages)
-    gate = PeermemGate(cfg.peermem)
     try:
         for what, fault in [("nothing", "none"), *steps]:
             change(node, what)
@@ -133,9 +132,9 @@ def test_gate_never_lies_and_the_restart_unload_is_never_skipped(
                 assert not (root / GATE).exists(), "a failed pass left a gate file"
             else:
                 result = agent.run_pass(["property"])
-                decided_open = result.verdicts["peermem"].is_open
+                decided_open = result.verdicts["peermem"].ok
                 assert not ((root / GATE).exists() and not decided_open), (what, fault)
-                if gate.restart_signals(result.snapshot) and idle:
+                if restart_signals(result.snapshot, cfg.paths.mofed, "container") and idle:
                     assert "unload nvidia_peermem" in kernel.attempted, (what, fault)
                     assert any(isinstance(o.action, UnloadModule) for o in result.outcomes)
                 if fault in ("state-unwritable", "status-unwritable"):

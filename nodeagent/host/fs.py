@@ -258,7 +258,10 @@ class HostRoot:
         if not stat.S_ISREG(st.st_mode):
             return self._odd(rel, f"is {_kind(st.st_mode)}, not a regular file", odd_is_present)
         return FileFact(
-            path=rel, present=True, ident=FileId(st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            path=rel,
+            present=True,
+            ident=FileId(st.st_ino, st.st_mtime_ns, st.st_ctime_ns),
+            device=(os.major(st.st_dev), os.minor(st.st_dev)),
         )
 
     @staticmethod

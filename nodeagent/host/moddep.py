@@ -37,10 +37,10 @@ _SUFFIXES = (".ko.xz", ".ko.zst", ".ko.gz", ".ko")
 @dataclass(frozen=True)
 class _Entry:
     relpath: str
-    deps: tuple[str, ...]  # normalized module names, in modules.dep order
+    rest: str  # the line after ':', parsed into names only when asked (module_dependencies)
 
 
-_CacheKey = tuple[str, int, int, int]
+_CacheKey = tuple[str, int, int, int]  # path, inode, mtime, size: one identity of the file
 _cache: OrderedDict[_CacheKey, dict[str, _Entry]] = OrderedDict()
 _cache_lock = threading.Lock()
 
@@ -54,6 +54,7 @@ def _module_name(path: str) -> str | None:
 
 
 def _parse(text: str) -> dict[str, _Entry]:
+    """Index by module name; dependencies stay text until a caller asks for them."""
     entries: dict[str, _Entry] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -66,8 +67,7 @@ def _parse(text: str) -> dict[str, _Entry]:
         name = _module_name(relpath)
         if name is None or name in entries:
             continue  # first line wins, as in depmod's own output order
-        deps = tuple(d for d in (_module_name(p) for p in rest.split()) if d is not None)
-        entries[name] = _Entry(relpath, deps)
+        entries[name] = _Entry(relpath, rest)
     return entries
 
 
@@ -154,14 +154,18 @@ def find_module(
     return _inside(os.fspath(moddir), entry.relpath)
 
 
-def module_dependencies(moddir: str | os.PathLike[str], name: str) -> tuple[str, ...]:
+def module_dependencies(
+    moddir: str | os.PathLike[str], name: str, opener: Opener | None = None
+) -> tuple[str, ...]:
     """Names of the modules ``name`` depends on, as listed in ``modules.dep``.
 
     In modules.dep order (modprobe loads them last to first). ``()`` when the
     module has none or is not listed (use ``find_module`` to tell these apart).
     """
-    entries = _load(moddir)
+    entries = _load(moddir, opener)
     if entries is None:
         return ()
     entry = entries.get(normalize_module_name(name))
-    return entry.deps if entry is not None else ()
+    if entry is None:
+        return ()
+    return tuple(d for d in (_module_name(p) for p in entry.rest.split()) if d is not None)

@@ -23,13 +23,12 @@ import lzma
 import os
 import stat
 import struct
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import IO, Protocol, cast
-
-import zstandard
 
 from nodeagent.core.names import normalize_module_name
 from nodeagent.errors import NodeagentError
@@ -447,10 +446,18 @@ def _decompressor(head: bytes, fileobj: IO[bytes]) -> _Readable | None:
     if head.startswith(_XZ_MAGIC):
         return lzma.LZMAFile(fileobj)
     if head.startswith(_ZSTD_MAGIC):
+        import zstandard  # only when a .ko.zst is met: `nodeagent check` imports it lazily
+
         return zstandard.ZstdDecompressor().stream_reader(fileobj, read_across_frames=True)
     if head.startswith(_GZIP_MAGIC):
         return gzip.GzipFile(fileobj=fileobj)
     return None
+
+
+def _zstd_errors() -> tuple[type[Exception], ...]:
+    """zstandard's error class once it is imported (it is imported only for a .ko.zst)."""
+    zstd = sys.modules.get("zstandard")
+    return (zstd.ZstdError,) if zstd is not None else ()
 
 
 def _decompress_stream(head: bytes, fileobj: IO[bytes], path: str, cap: int) -> bytes | bytearray:
@@ -466,7 +473,9 @@ def _decompress_stream(head: bytes, fileobj: IO[bytes], path: str, cap: int) -> 
             return _read_bounded(reader, path, cap, "decompressed data")
     except ModuleFileError:
         raise
-    except (lzma.LZMAError, zstandard.ZstdError, zlib.error, EOFError, OSError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (lzma.LZMAError, zlib.error, EOFError, OSError, *_zstd_errors())):
+            raise
         raise ModuleFileError(_one_line(f"{path}: cannot decompress: {exc}")) from exc
 
 

@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
 
     def decide(self: Reconciler, *args: Any, **kwargs: Any) -> Any:
         rec = orig_decide(self, *args, **kwargs)
-        decided.update({g: v.is_open for g, v in rec.verdicts.items()})
+        decided.update({g: rec.verdicts[g].ok for g in self.gates})
         return rec
 
     Reconciler.decide = decide  # type: ignore[method-assign]
