@@ -1,4 +1,4 @@
-"""Command line: ``nodeagent run|check|status|wait|simulate``.
+"""Command line: ``nodeagent run|check|status|wait|timeline|simulate``.
 
 Exit codes: 0 success / every guard ok; 1 a guard is not ok (a gate closed,
 storage blocking MOFED ...), a wait timed out, no status exists or the agent
@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     wait.add_argument("gate", choices=_gate_names())
     wait.add_argument("--timeout", type=_timeout, default=None, help="seconds (default: forever)")
 
+    tl = sub.add_parser("timeline", help="draw the recorded decisions (lanes over time)")
+    _common(tl)
+    tl.add_argument("--since", help="30m, 2h, an ISO 8601 time, or epoch seconds")
+    tl.add_argument("--format", choices=["text", "html"], default="text")
+
     sim = sub.add_parser(
         "simulate", help="replay the seed incidents on a simulated node", add_help=False
     )
@@ -123,6 +128,10 @@ def _main(argv: list[str]) -> int:
             return cmd_status(cfg, args.json)
         if args.command == "wait":
             return cmd_wait(cfg, args.gate, args.timeout)
+        if args.command == "timeline":
+            from nodeagent.timeline_view.cli import timeline_main
+
+            return timeline_main(cfg, args.since, args.format)
     except NodeagentError as exc:
         print(f"nodeagent: error: {safe(str(exc))}", file=sys.stderr)
         return EXIT_USAGE

@@ -308,7 +308,9 @@ class PeermemGate:
         peermem = snap.module(PEERMEM)
         events: list[str] = []
         if signals:
-            if peermem is None or peermem.initstate == "going":
+            # The kernel refuses to unload a module that is not live (EBUSY): one still
+            # coming is unloaded on the pass that sees it live.
+            if peermem is None or peermem.initstate in ("going", "coming"):
                 return (), None, events
             if peermem.refcnt == 0:
                 return (
