@@ -59,12 +59,15 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 Setup = Callable[[Path], None]
 
 
-def put(rel: str, data: bytes | str) -> Setup:
+def put(rel: str, data: bytes | str | Callable[[], str]) -> Setup:
+    """Write ``data`` (a callable: made when the case runs, e.g. to hold the current time)."""
+
     def go(root: Path) -> None:
         p = root / rel
         _clear(p)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data.encode() if isinstance(data, str) else data)
+        made = data() if callable(data) else data
+        p.write_bytes(made.encode() if isinstance(made, str) else made)
 
     return go
 
@@ -200,18 +203,30 @@ def gate(doc: object | str) -> Setup:
     return put(GATE, doc if isinstance(doc, str) else json.dumps(doc))
 
 
+def gate_confirmed(ago: float, resync: float = 30) -> Setup:
+    """A gate file confirmed ``ago`` seconds before the case runs."""
+    return put(
+        GATE, lambda: json.dumps({"confirmed_at": time.time() - ago, "resync_seconds": resync})
+    )
+
+
 def fresh_status(**over: object) -> Setup:
-    doc = {
-        "version": "0.1",
-        "time": time.time(),
-        "mode": "observe",
-        "kernel": KVER,
-        "resync_seconds": 30,
-        "guards": {"peermem": {"verdict": "closed", "reasons": ["r"], "evidence": {}}},
-        "last_actions": [],
-    }
-    doc.update(over)
-    return status(doc)
+    """A status.json of a pass that ran just before the case (plus ``over``)."""
+
+    def make() -> str:
+        doc = {
+            "version": "0.1",
+            "time": time.time(),
+            "mode": "observe",
+            "kernel": KVER,
+            "resync_seconds": 30,
+            "guards": {"peermem": {"verdict": "closed", "reasons": ["r"], "evidence": {}}},
+            "last_actions": [],
+        }
+        doc.update(over)
+        return json.dumps(doc)
+
+    return put(STATUS, make)
 
 
 def config(text: str) -> Setup:
@@ -362,13 +377,13 @@ CASES = [
     # -- gate files (wait must not be fooled)
     cmd("gate-empty-object", gate("{}"), WAIT0, 1, "not a gate file the agent wrote"),
     cmd("gate-garbage", gate("open!"), WAIT0, 1, "not a gate file the agent wrote"),
-    cmd("gate-stale", gate({"confirmed_at": time.time() - 3600, "resync_seconds": 30}), WAIT0, 1, "agent not reconciling since"),
-    cmd("gate-resync-zero", gate({"confirmed_at": time.time(), "resync_seconds": 0}), WAIT0, 1, "not finite positive"),
+    cmd("gate-stale", gate_confirmed(3600), WAIT0, 1, "agent not reconciling since"),
+    cmd("gate-resync-zero", gate_confirmed(0, resync=0), WAIT0, 1, "not finite positive"),
     cmd("gate-confirmed-nan", gate('{"confirmed_at": NaN, "resync_seconds": 30}'), WAIT0, 1, "not a gate file"),
     cmd("gate-directory", directory(GATE), WAIT0, 1, "unreadable", "directory"),
     cmd("gate-fifo", fifo(GATE), WAIT0, 1, "unreadable", "FIFO"),
     cmd("gate-symlink", link(GATE, "/etc/hostname"), WAIT0, 1, "unreadable"),
-    cmd("gate-fresh", gate({"confirmed_at": time.time() + 5, "resync_seconds": 30}), WAIT0, 0, "open"),
+    cmd("gate-fresh", gate_confirmed(-5), WAIT0, 0, "open"),
     # -- config and command line
     cmd("config-fifo", fifo("c.toml"), CFG, 2, "not a regular file"),
     cmd("config-directory", directory("c.toml"), CFG, 2, "not a regular file"),
