@@ -119,10 +119,14 @@ class RecordingKernel:
         self.loaded_at: float | None = None
         self.loaded = threading.Event()
 
-    def insert_file(self, path: str, params: Sequence[str]) -> None:
+    def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
+        """The agent loads by the descriptor it verified (finit_module)."""
         self.loaded_at = time.perf_counter()
         sysfs_module(self.root, "nvidia_peermem", "C" * 23)
         self.loaded.set()
+
+    def insert_file(self, path: str, params: Sequence[str]) -> None:
+        raise AssertionError("the agent loads by descriptor")
 
     def remove(self, name: str) -> None:
         shutil.rmtree(self.root / "sys/module" / name)
