@@ -45,6 +45,11 @@ class PassResult:
     verdicts: dict[str, Verdict]
     outcomes: tuple[ActionOutcome, ...]
     wake_at: float | None
+    # For the exporters: what woke this pass, when it began (agent clock) and, per
+    # outcome, when its action finished and how long it took (None: not performed).
+    woken_by: tuple[str, ...] = ()
+    started: float = 0.0
+    action_times: tuple[tuple[float, float | None], ...] = ()
 
 
 class Agent:
@@ -129,11 +134,16 @@ class Agent:
         self._save_memory(memory)
         enforce = self.cfg.mode == "enforce"
         outcomes: list[ActionOutcome] = []
+        action_times: list[tuple[float, float | None]] = []
         for action in rec.actions:
             if enforce:
+                began = self.clock()
                 outcome = self.actuator.perform(action)
+                done = self.clock()
+                action_times.append((done, done - began))
             else:
                 outcome = ActionOutcome(action=action, ok=True, performed=False)
+                action_times.append((self.clock(), None))
             outcomes.append(outcome)
         memory = self.reconciler.absorb(memory, outcomes, self.clock())
 
@@ -159,14 +169,16 @@ class Agent:
                     }
                 )
             self._last_signature = signature
-        for o in outcomes:
+        for o, (_, seconds) in zip(outcomes, action_times, strict=True):
             if not o.performed and not changed:
                 continue  # observe mode: the same undone action is recorded once, not per pass
             self.record(
                 {
                     "kind": "action",
                     "guard": o.action.guard,
+                    "module": getattr(o.action, "module", None),
                     "action": o.action.describe(),
+                    "seconds": None if seconds is None else round(seconds, 6),
                     "reason": o.action.reason,
                     "performed": o.performed,
                     "ok": o.ok,
@@ -188,7 +200,15 @@ class Agent:
         with self._pass_done:
             self.passes += 1
             self._pass_done.notify_all()
-        return PassResult(snap, dict(rec.verdicts), tuple(outcomes), rec.wake_at)
+        return PassResult(
+            snap,
+            dict(rec.verdicts),
+            tuple(outcomes),
+            rec.wake_at,
+            woken_by=tuple(woken_by),
+            started=now,
+            action_times=tuple(action_times),
+        )
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["observe", "enforce"], help="observe (default) or enforce")
     run.add_argument("--once", action="store_true", help="one pass, then exit")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--metrics-address",
+        help="HOST:PORT for /metrics, /healthz, /readyz, or 'off' (default 127.0.0.1:9808)",
+    )
 
     check = sub.add_parser("check", help="one observation: every guard's verdict and reasons")
     _common(check)
@@ -69,7 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, host_root=args.host_root, mode=getattr(args, "mode", None))
+        cfg = load_config(
+            args.config,
+            host_root=args.host_root,
+            mode=getattr(args, "mode", None),
+            metrics_address=getattr(args, "metrics_address", None),
+        )
         if args.command == "run":
             return cmd_run(cfg, args.once, args.log_level)
         if args.command == "check":
@@ -89,17 +98,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     from nodeagent.agent import Agent
+    from nodeagent.exporters import build_exporters
     from nodeagent.log import setup_logging
 
     setup_logging(log_level)
-    agent = Agent(cfg)
+    exporters = build_exporters(cfg)
+    try:
+        agent = Agent(cfg, on_record=exporters.on_record, on_pass=exporters.on_pass)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        agent.stop()
+        def on_signal(signum: int, _frame: Any) -> None:
+            agent.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    agent.run(once=once)
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        agent.run(once=once)
+    finally:
+        exporters.close()
     return 0
 
 

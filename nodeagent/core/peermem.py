@@ -24,13 +24,14 @@ restart seen + peermem loaded with refcnt 0 -> unload it at once so
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
 from nodeagent.core.snapshot import DiskModule, FileId, LoadedModule, NodeSnapshot
+from nodeagent.core.telemetry import MetricFamily, Sample, TimedAction
 
 PEERMEM = "nvidia_peermem"
 NVIDIA = "nvidia"
@@ -139,11 +140,68 @@ def abi_mismatches(
     return reasons, evidence
 
 
+# The gate's conditions, by the name its metrics use (nodeagent_peermem_condition_holding).
+PEERMEM_CONDITIONS: tuple[str, ...] = (
+    "nvidia_live",
+    "mofed_ready_flag",
+    "mofed_ready_flag_fresh",
+    "mofed_not_restarting",
+    "rdma_stack_live",
+    "rdma_stack_on_disk",
+    "abi_crcs_match",
+)
+
+
 class PeermemGate:
     name = "peermem"
+    verdict_words: tuple[str, ...] = ("open", "closed")
+    metric_families: tuple[MetricFamily, ...] = (
+        MetricFamily(
+            "nodeagent_peermem_condition_holding",
+            "gauge",
+            "1 while this condition fails and so holds the peermem gate closed",
+            ("condition",),
+        ),
+        MetricFamily(
+            "nodeagent_peermem_mofed_ready",
+            "gauge",
+            "1 while MOFED says its stack is final (container: fresh ready flag, no blacklist; "
+            "host: the RDMA stack loaded and live)",
+        ),
+        MetricFamily(
+            "nodeagent_peermem_load_failures",
+            "gauge",
+            "consecutive failed nvidia_peermem loads (the retry backoff's count)",
+        ),
+    )
 
     def __init__(self, policy: PeermemPolicy | None = None) -> None:
         self.policy = policy or PeermemPolicy()
+
+    # -- telemetry ------------------------------------------------------------
+
+    def metric_samples(self, verdict: Verdict, actions: Sequence[TimedAction]) -> list[Sample]:
+        ev = verdict.evidence
+        holding = set(ev.get("holding", ()))
+        out = [
+            Sample("nodeagent_peermem_condition_holding", {"condition": c}, float(c in holding))
+            for c in PEERMEM_CONDITIONS
+        ]
+        out.append(Sample("nodeagent_peermem_mofed_ready", {}, float(bool(ev.get("mofed_ready")))))
+        failures = (ev.get("peermem") or {}).get("failures", 0)
+        out.append(Sample("nodeagent_peermem_load_failures", {}, float(failures)))
+        return out
+
+    def mofed_ready(self, snap: NodeSnapshot, memory: PeermemMemory) -> bool:
+        if self.policy.mofed == "container":
+            return (
+                snap.mofed_ready.present
+                and not memory.restart_pending
+                and not snap.mofed_blacklist.present
+            )
+        return all(
+            (m := snap.module(name)) is not None and m.live for name in self.policy.rdma_stack
+        )
 
     # -- memory -------------------------------------------------------------
 
@@ -209,6 +267,12 @@ class PeermemGate:
         events: list[str] = []
         evidence: dict[str, Any] = {"mofed_mode": pol.mofed}
         reasons: list[str] = []
+        holding: list[str] = []  # the PEERMEM_CONDITIONS that fail, for the metrics
+
+        def fail(condition: str, reason: str) -> None:
+            reasons.append(reason)
+            if condition not in holding:
+                holding.append(condition)
 
         # Memory first: a restart seen now makes the current ready flag stale.
         signals = self.restart_signals(snap)
@@ -242,9 +306,10 @@ class PeermemGate:
         nvidia = snap.module(NVIDIA)
         evidence["nvidia"] = _module_evidence(nvidia)
         if nvidia is None:
-            reasons.append("nvidia is not loaded")
+            fail("nvidia_live", "nvidia is not loaded")
         elif not nvidia.live:
-            reasons.append(f"nvidia is not live (initstate {nvidia.initstate or 'unreadable'})")
+            state = nvidia.initstate or "unreadable"
+            fail("nvidia_live", f"nvidia is not live (initstate {state})")
 
         # 2, 3. the MOFED container's own markers
         if pol.mofed == "container":
@@ -255,19 +320,21 @@ class PeermemGate:
                 "stale": memory.restart_pending and ready.present,
             }
             if not ready.present:
-                reasons.append(
+                fail(
+                    "mofed_ready_flag",
                     f"MOFED ready flag {ready.path} is absent"
-                    + (f" ({ready.problem})" if ready.problem else "")
+                    + (f" ({ready.problem})" if ready.problem else ""),
                 )
             elif memory.restart_pending:
-                reasons.append(
+                fail(
+                    "mofed_ready_flag_fresh",
                     f"MOFED ready flag {ready.path} is stale: it predates the last MOFED restart "
-                    "the agent saw"
+                    "the agent saw",
                 )
             bl = snap.mofed_blacklist
             evidence["mofed_blacklist"] = {"path": bl.path, "present": bl.present}
             if bl.present:
-                reasons.append(f"MOFED is restarting openibd ({bl.path} exists)")
+                fail("mofed_not_restarting", f"MOFED is restarting openibd ({bl.path} exists)")
 
         # 4, 5. the RDMA stack, live and the one on disk
         stack_ev: dict[str, Any] = {}
@@ -276,14 +343,17 @@ class PeermemGate:
             disk = snap.disk_module(name)
             stack_ev[name] = {**_module_evidence(loaded), "disk": _disk_evidence(disk)}
             if loaded is None:
-                reasons.append(f"{name} is not loaded")
+                fail("rdma_stack_live", f"{name} is not loaded")
                 continue
             if not loaded.live:
-                reasons.append(f"{name} is not live (initstate {loaded.initstate or 'unreadable'})")
+                fail(
+                    "rdma_stack_live",
+                    f"{name} is not live (initstate {loaded.initstate or 'unreadable'})",
+                )
                 continue
             mismatch = identity_mismatch(loaded, disk)
             if mismatch:
-                reasons.append(mismatch)
+                fail("rdma_stack_on_disk", mismatch)
         evidence["rdma_stack"] = stack_ev
 
         # 6. ABI preflight: only meaningful once the stack is otherwise right.
@@ -293,7 +363,10 @@ class PeermemGate:
             {d: (snap.module(d), snap.disk_module(d)) for d in peermem_disk.depends},
         )
         evidence["abi"] = abi_ev
-        reasons.extend(abi_reasons)
+        for r in abi_reasons:
+            fail("abi_crcs_match", r)
+        evidence["holding"] = holding
+        evidence["mofed_ready"] = self.mofed_ready(snap, memory)
 
         verdict = Verdict(
             guard=self.name,
