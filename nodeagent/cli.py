@@ -102,7 +102,7 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     from nodeagent.log import setup_logging
 
     setup_logging(log_level)
-    exporters = build_exporters(cfg)
+    exporters = build_exporters(cfg, once)
     try:
         agent = Agent(cfg, on_record=exporters.on_record, on_pass=exporters.on_pass)
 

@@ -63,7 +63,7 @@ class Exporters:
             e.close()
 
 
-def _journal(cfg: Config, exporters: Exporters) -> None:
+def _journal(cfg: Config, exporters: Exporters, once: bool) -> None:
     from nodeagent.host.fs import HostRoot
     from nodeagent.journal import JournalExporter
 
@@ -72,12 +72,12 @@ def _journal(cfg: Config, exporters: Exporters) -> None:
         exporters.add(JournalExporter(str(socket_path)))
 
 
-def _metrics(cfg: Config, exporters: Exporters) -> None:
+def _metrics(cfg: Config, exporters: Exporters, once: bool) -> None:
     from nodeagent.agent import build_reconciler
     from nodeagent.metrics import MetricsExporter, MetricsServer
 
-    if cfg.metrics_address == "off":
-        return
+    if cfg.metrics_address == "off" or once:
+        return  # one pass (--once) has nobody to scrape it, nor a port to hold
     metrics = MetricsExporter(
         build_reconciler(cfg).guards, mode=cfg.mode, liveness_seconds=cfg.liveness_seconds
     )
@@ -85,15 +85,15 @@ def _metrics(cfg: Config, exporters: Exporters) -> None:
     exporters.add(metrics, server.close)
 
 
-EXPORTERS: tuple[Callable[[Config, Exporters], None], ...] = (_journal, _metrics)
+EXPORTERS: tuple[Callable[[Config, Exporters, bool], None], ...] = (_journal, _metrics)
 
 
-def build_exporters(cfg: Config) -> Exporters:
+def build_exporters(cfg: Config, once: bool = False) -> Exporters:
     """Every configured exporter; a bad setting (e.g. a taken port) raises NodeagentError."""
     exporters = Exporters()
     try:
         for make in EXPORTERS:
-            make(cfg, exporters)
+            make(cfg, exporters, once)
     except BaseException:
         exporters.close()
         raise

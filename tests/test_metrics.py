@@ -331,3 +331,32 @@ def test_a_taken_port_is_one_line() -> None:
 
 def test_default_is_loopback() -> None:
     assert Config().metrics_address.startswith("127.0.0.1:")
+
+
+def test_every_config_key_is_documented() -> None:
+    """Keys from the config code itself (its unknown-key error lists them), env from load_config."""
+    import re
+
+    from nodeagent.config import config_from_mapping
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+
+    def known(section: str | None) -> list[str]:
+        probe: dict[str, Any] = {"__probe__": 1}
+        with pytest.raises(NodeagentError) as err:
+            config_from_mapping({section: probe} if section else probe)
+        return str(err.value).split("(known: ", 1)[1].rstrip(")").split(", ")
+
+    sections = {k: known(k) for k in ("paths", "peermem")}
+    top = known(None)
+    assert set(sections) <= set(top)
+    for key in top:
+        want = f"## `[{key}]`" if key in sections else f"| `{key}` |"
+        assert want in docs, f"{key} is not documented in docs/configuration.md"
+    for section, keys in sections.items():
+        part = docs.split(f"## `[{section}]`", 1)[1].split("\n## ", 1)[0]
+        for key in keys:
+            assert f"| `{key}` |" in part, f"{section}.{key} is not documented"
+    config_src = (Path(__file__).resolve().parent.parent / "nodeagent" / "config.py").read_text()
+    for var in set(re.findall(r"NODEAGENT_[A-Z_]+", config_src)):
+        assert f"`{var}`" in docs, f"{var} is not documented"
