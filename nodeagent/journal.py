@@ -161,9 +161,14 @@ class JournalExporter:
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        # Non-blocking: a slow journald must never stall the loop; a full queue drops
+        # the journal's copy of a record (stderr and the timeline still have it).
+        self._sock = socket.socket(
+            socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        )
         self.available: bool | None = None  # None: nothing sent yet
         self.sent = 0
+        self.dropped = 0
 
     def on_record(self, rec: Mapping[str, Any]) -> None:
         fields = journal_fields(rec)
@@ -184,6 +189,11 @@ class JournalExporter:
                 if exc.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
                     raise
                 self._send_memfd(data)
+        except BlockingIOError:
+            if not self.dropped:
+                log.warning("journal socket %s is full: dropping records there", self.socket_path)
+            self.dropped += 1
+            return
         except OSError as exc:
             self._unavailable(exc)
             return

@@ -53,6 +53,16 @@ log = logging.getLogger("nodeagent.metrics")
 # What woke a pass, by the first word of each wake-up (events.py, agent.py).
 WAKE_SOURCES = frozenset({"start", "once", "resync", "inotify", "uevent", "stop"})
 ACTION_KINDS: dict[type, str] = {LoadModuleFile: "load", UnloadModule: "unload"}
+# How a guard's declared family is made (prometheus-client adds a counter's _total).
+FAMILY_MAKERS: dict[str, Callable[[MetricFamily, CollectorRegistry], Any]] = {
+    "gauge": lambda f, r: Gauge(f.name, f.help, list(f.labels), registry=r),
+    "counter": lambda f, r: Counter(
+        f.name.removesuffix("_total"), f.help, list(f.labels), registry=r
+    ),
+    "histogram": lambda f, r: Histogram(
+        f.name, f.help, list(f.labels), buckets=f.buckets, registry=r
+    ),
+}
 # How a guard's sample updates its family: gauges are set, counters add, histograms observe.
 UPDATE: dict[str, Callable[[Any, float], None]] = {
     "gauge": lambda m, v: m.set(v),
@@ -191,14 +201,7 @@ class MetricsExporter:
     def _family(self, fam: MetricFamily) -> Gauge | Counter | Histogram:
         if fam.name in self.guard_metrics or not fam.name.startswith("nodeagent_"):
             raise NodeagentError(f"metric family {fam.name}: duplicate or not nodeagent_-prefixed")
-        if fam.kind == "gauge":
-            return Gauge(fam.name, fam.help, list(fam.labels), registry=self.registry)
-        if fam.kind == "counter":
-            name = fam.name.removesuffix("_total")
-            return Counter(name, fam.help, list(fam.labels), registry=self.registry)
-        return Histogram(
-            fam.name, fam.help, list(fam.labels), buckets=fam.buckets, registry=self.registry
-        )
+        return FAMILY_MAKERS[fam.kind](fam, self.registry)
 
     # -- exporter hooks -------------------------------------------------------
 
@@ -307,6 +310,7 @@ class _Server6(_Server):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    timeout = 10  # a client that stalls mid-request does not keep its thread
 
     def do_GET(self) -> None:
         exporter = self.server.exporter

@@ -99,6 +99,22 @@ def test_no_socket_is_said_once_and_sending_resumes(
     exp.close()
 
 
+def test_a_full_journal_queue_drops_instead_of_blocking(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(str(path))  # never read: its queue fills
+        exp = JournalExporter(str(path))
+        with caplog.at_level(logging.WARNING, logger="nodeagent.journal"):
+            for _ in range(2000):  # a blocking send would hang here
+                exp.on_record({"kind": "decision", "guard": "peermem", "reasons": ["x" * 512]})
+        assert exp.sent > 0 and exp.dropped > 0
+        assert [r.getMessage() for r in caplog.records if "full" in r.getMessage()] != []
+        assert len(caplog.records) == 1, "said once"
+        exp.close()
+
+
 # -- against a real journald --------------------------------------------------
 
 
