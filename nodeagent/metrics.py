@@ -124,7 +124,6 @@ class MetricsExporter:
         self.lock = threading.Lock()  # one pass's updates are seen whole by a scrape
         self.started_mono = monotonic()
         self.last_pass_mono: float | None = None
-        self.last_pass_wall: float | None = None
         self.passes_ok = 0
         self._undone: set[str] = set()  # actions decided, not performed, last pass
         r = self.registry = CollectorRegistry()
@@ -188,9 +187,11 @@ class MetricsExporter:
         )
         r.register(ProcessCollector())
 
+        # Every word a guard declares (or was seen to use): all but the current are 0.
+        self.words: dict[str, list[str]] = {}
         for name, guard in self.guards.items():
-            words = verdict_words(guard)
-            for word in words:
+            self.words[name] = list(verdict_words(guard))
+            for word in self.words[name]:
                 self.guard_state.labels(name, word).set(0)
             self.guard_ok.labels(name).set(0)
         self.guard_metrics: dict[str, Gauge | Counter | Histogram] = {}
@@ -216,7 +217,6 @@ class MetricsExporter:
         with self.lock:
             self._pass(result, end)
             self.last_pass_mono = self.monotonic()
-            self.last_pass_wall = end
             self.passes_ok += 1
 
     def _pass(self, result: Any, end: float) -> None:
@@ -251,9 +251,11 @@ class MetricsExporter:
 
         for name, verdict in result.verdicts.items():
             guard = self.guards.get(name)
-            for word in verdict_words(guard) if guard is not None else ():
-                self.guard_state.labels(name, word).set(0)
-            self.guard_state.labels(name, verdict.verdict).set(1)
+            words = self.words.setdefault(name, [])
+            if verdict.verdict not in words:
+                words.append(verdict.verdict)
+            for word in words:
+                self.guard_state.labels(name, word).set(1 if word == verdict.verdict else 0)
             self.guard_ok.labels(name).set(1 if verdict_ok(verdict) else 0)
             if guard is not None:
                 self._guard_samples(guard, verdict, per_guard.get(name, []))

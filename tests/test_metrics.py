@@ -276,6 +276,14 @@ def test_a_guard_brings_its_own_words_and_families() -> None:
     assert value(s, "nodeagent_light_lamps", colour="green") == 1
     assert value(s, "nodeagent_guard_ok", guard="light") == 1
 
+    # A word the guard did not declare still gets a state, and is 0 once left.
+    exp.on_pass(pass_result({"light": verdict("light", "flashing", False)}, [], []), None)
+    exp.on_pass(pass_result({"light": verdict("light", "red", False)}, [], []), None)
+    s = exporter_series(exp)
+    assert value(s, "nodeagent_guard_state", guard="light", state="flashing") == 0
+    assert value(s, "nodeagent_guard_state", guard="light", state="red") == 1
+    assert value(s, "nodeagent_guard_state", guard="light", state="green") == 0
+
 
 def test_liveness_fails_when_passes_stop() -> None:
     now = [1000.0]
