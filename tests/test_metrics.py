@@ -327,6 +327,15 @@ def test_metrics_address_from_env_and_file(tmp_path: Path) -> None:
         load_config(str(f), host_root=str(tmp_path), environ={})
 
 
+def test_addresses_as_the_daemonset_gives_them() -> None:
+    from nodeagent.config import parse_address
+
+    # $(POD_IP):9808 with hostNetwork: an IPv4 or a bare IPv6 node address.
+    assert parse_address("10.0.0.7:9808") == ("10.0.0.7", 9808)
+    assert parse_address("fd00::7:9808") == ("fd00::7", 9808)
+    assert parse_address("[fd00::7]:9808") == ("fd00::7", 9808)
+
+
 def test_a_taken_port_is_one_line() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
