@@ -4,9 +4,10 @@ Sizes the DaemonSet's requests and limits (deploy/base/daemonset.yaml).
 
     .venv/bin/python bench/footprint.py [--seconds 60] [--modules 250] [--dep-lines 6000]
 
-The node: a temp-dir host root with the RDMA stack, nvidia and ``--modules``
-other loaded modules in sysfs, a ``modules.dep`` of ``--dep-lines`` lines, and
-the .ko files the peermem gate reads (bench/gate_latency.py's node). The agent
+The node: a temp-dir host root with ``--modules`` loaded modules in sysfs (the
+RDMA stack and nvidia among them), a ``modules.dep`` of ``--dep-lines`` lines
+in each of the host, MOFED and GPU driver trees, and
+the .ko files the peermem gate reads (bench/gate_latency.py's real-size node). The agent
 runs as deployed: ``nodeagent run`` with metrics on, observe mode, a pass every
 0.1 s (300x the default rate) and MOFED's ready flag toggled every 0.5 s, so
 every pass re-reads the whole node and decisions and records keep flowing.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,19 +28,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gate_latency import FLAG, KVER, build_node, sysfs_module
-
-
-def real_size(root: Path, modules: int, dep_lines: int) -> None:
-    for i in range(modules):
-        sysfs_module(root, f"filler_mod_{i}", f"{i:023X}")
-    moddir = root / f"lib/modules/{KVER}"
-    moddir.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"kernel/drivers/misc/m{i}.ko.xz: kernel/drivers/misc/m{i + 1}.ko.xz"
-        for i in range(dep_lines)
-    ]
-    (moddir / "modules.dep").write_text("\n".join(lines) + "\n")
+from gate_latency import FLAG, build_node, free_port
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -60,13 +48,10 @@ def main() -> int:
     ap.add_argument("--modules", type=int, default=250)
     ap.add_argument("--dep-lines", type=int, default=6000)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        build_node(root)
-        real_size(root, args.modules, args.dep_lines)
+        loaded, dep_lines = build_node(root, args.modules, args.dep_lines)
         flag = root / FLAG
         flag.parent.mkdir(parents=True, exist_ok=True)
         cfg = root / "agent.toml"
@@ -111,7 +96,7 @@ def main() -> int:
     mib = 2**20
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(
-        f"node: {args.modules + 5} loaded modules in sysfs, modules.dep {args.dep_lines} lines; "
+        f"node: {loaded} loaded modules in sysfs, modules.dep {dep_lines} lines per tree; "
         f"{args.seconds:.0f} s, ready flag toggled every 0.5 s, resync 0.1 s"
     )
     print(f"passes {passes:.0f}, mean pass {mean_pass * 1000:.1f} ms, CPU {cpu:.2f} s")

@@ -14,21 +14,20 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nodeagent import __version__
 from nodeagent.config import Config
 from nodeagent.core.actions import ActionOutcome
 from nodeagent.core.guard import Verdict
-from nodeagent.core.peermem import PeermemGate
 from nodeagent.core.reconcile import AgentMemory, Reconciler
+from nodeagent.core.registry import build_reconciler as build_guard_reconciler
 from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOps, default_module_ops
-from nodeagent.host.observe import Observer
+from nodeagent.host.observe import Observer, Readers
 from nodeagent.host.state import StateStore
 from nodeagent.timeline import Timeline
 
@@ -36,7 +35,24 @@ log = logging.getLogger("nodeagent")
 
 
 def build_reconciler(cfg: Config) -> Reconciler:
-    return Reconciler([PeermemGate(cfg.peermem)])
+    """Every guard of core/registry.py with its configured policy."""
+    return build_guard_reconciler(cfg.policies, cfg.paths)
+
+
+def action_record(o: ActionOutcome) -> dict[str, Any]:
+    return {
+        "kind": "action",
+        "guard": o.action.guard,
+        "module": getattr(o.action, "module", None),
+        "action": o.action.describe(),
+        "seconds": None if o.seconds is None else round(o.seconds, 6),
+        "reason": o.action.reason,
+        "performed": o.performed,
+        "ok": o.ok,
+        "errno": o.errno,
+        "error": o.error,
+        "kernel_messages": list(o.kernel_messages),
+    }
 
 
 @dataclass(frozen=True)
@@ -45,11 +61,10 @@ class PassResult:
     verdicts: dict[str, Verdict]
     outcomes: tuple[ActionOutcome, ...]
     wake_at: float | None
-    # For the exporters: what woke this pass, when it began (agent clock) and, per
-    # outcome, when its action finished and how long it took (None: not performed).
+    # For the exporters: what woke this pass and when it began (agent clock); each
+    # performed outcome carries when it finished and how long it took.
     woken_by: tuple[str, ...] = ()
     started: float = 0.0
-    action_times: tuple[tuple[float, float | None], ...] = ()
 
 
 class Agent:
@@ -64,11 +79,13 @@ class Agent:
         pass_context: Callable[[], AbstractContextManager[object]] | None = None,
         on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
+        readers: Readers | None = None,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
         the exception; ``on_record``
         sees every timeline record. All three are for embedding; the daemon uses none.
+        ``readers`` replaces the observer's readers of locks, mounts, NVMe and SR-IOV.
         """
         self.cfg = cfg
         self.pass_context = pass_context or nullcontext
@@ -76,10 +93,13 @@ class Agent:
         self.on_record = on_record
         self.host = HostRoot(cfg.host_root)
         self.clock = clock
-        self.observer = Observer(self.host, cfg)
         self.reconciler = build_reconciler(cfg)
+        self.observer = Observer(self.host, cfg, self.reconciler.needs(), readers)
         self.actuator = Actuator(
-            self.host, module_ops or default_module_ops(), kernel_log or kmsg_reader(cfg.kmsg)
+            self.host,
+            module_ops or default_module_ops(),
+            kernel_log or kmsg_reader(cfg.kmsg),
+            clock=clock,
         )
         self.state = StateStore(self.host, cfg.paths.state_dir)
         self.timeline = Timeline(
@@ -132,19 +152,12 @@ class Agent:
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
         # stale") is on disk before any action runs, so dying mid-action loses nothing.
         self._save_memory(memory)
-        enforce = self.cfg.mode == "enforce"
         outcomes: list[ActionOutcome] = []
-        action_times: list[tuple[float, float | None]] = []
-        for action in rec.actions:
-            if enforce:
-                began = self.clock()
-                outcome = self.actuator.perform(action)
-                done = self.clock()
-                action_times.append((done, done - began))
-            else:
-                outcome = ActionOutcome(action=action, ok=True, performed=False)
-                action_times.append((self.clock(), None))
-            outcomes.append(outcome)
+        if self.cfg.mode == "enforce":
+            for guard_outcomes in self.actuator.run_plans(rec.plans).values():
+                outcomes.extend(guard_outcomes)
+        else:
+            outcomes = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
         memory = self.reconciler.absorb(memory, outcomes, self.clock())
 
         signature = (
@@ -169,31 +182,17 @@ class Agent:
                     }
                 )
             self._last_signature = signature
-        for o, (_, seconds) in zip(outcomes, action_times, strict=True):
+        for o in outcomes:
             if not o.performed and not changed:
                 continue  # observe mode: the same undone action is recorded once, not per pass
-            self.record(
-                {
-                    "kind": "action",
-                    "guard": o.action.guard,
-                    "module": getattr(o.action, "module", None),
-                    "action": o.action.describe(),
-                    "seconds": None if seconds is None else round(seconds, 6),
-                    "reason": o.action.reason,
-                    "performed": o.performed,
-                    "ok": o.ok,
-                    "errno": o.errno,
-                    "error": o.error,
-                    "kernel_messages": list(o.kernel_messages),
-                }
-            )
+            self.record(action_record(o))
 
         self.memory = memory
         self._save_memory(memory)
         try:
             self.state.publish(
                 self.status_document(snap, rec.verdicts, outcomes),
-                {g: v.is_open for g, v in rec.verdicts.items()},
+                {g: rec.verdicts[g].ok for g in self.reconciler.gates},
             )
         except OSError as exc:
             log.error("state write failed: %s", exc)
@@ -207,7 +206,6 @@ class Agent:
             rec.wake_at,
             woken_by=tuple(woken_by),
             started=now,
-            action_times=tuple(action_times),
         )
 
     def _save_memory(self, memory: AgentMemory) -> None:
@@ -252,10 +250,17 @@ class Agent:
     # -- the loop -------------------------------------------------------------
 
     def watched_dirs(self) -> list[str]:
-        """Where the markers live; sysfs emits no inotify events (uevents + resync cover it)."""
-        p = self.cfg.paths
-        dirs = {str(Path(f).parent) for f in (p.mofed_ready, p.mofed_lock, p.mofed_blacklist)}
-        return sorted(dirs | {p.validations})
+        """Derived from the guards' declared needs (marker files' parents, listed dirs)."""
+        return self.observer.needs.watch_dirs()
+
+    def _stop_actions(self) -> None:
+        """What guards undo when the agent stops (e.g. a hold file), enforce mode only."""
+        if self.cfg.mode != "enforce":
+            return
+        plans = self.reconciler.on_stop(self.memory)
+        for outcomes in self.actuator.run_plans(plans).values():
+            for o in outcomes:
+                self.record(action_record(o))
 
     def stop(self) -> None:
         self.stopping.set()
@@ -294,5 +299,6 @@ class Agent:
                 woken_by = waker.wait(max(0.0, deadline - now))
         finally:
             watch.close()
+            self._stop_actions()
             self.record({"kind": "stop"})
             self.poke.close()

@@ -1,7 +1,8 @@
 """Command line: ``nodeagent run|check|status|wait|simulate``.
 
-Exit codes: 0 success / every guard open; 1 a guard is closed, a wait timed
-out or no status exists; 2 a usage or input error (printed as one line).
+Exit codes: 0 success / every guard ok; 1 a guard is not ok (a gate closed,
+storage blocking MOFED ...), a wait timed out or no status exists; 2 a usage
+or input error (printed as one line).
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from nodeagent import __version__
 from nodeagent.config import Config, load_config
 from nodeagent.errors import NodeagentError
 
-EXIT_OPEN, EXIT_CLOSED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_NOT_OK, EXIT_USAGE = 0, 1, 2
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-root", help="the node's root (default: $NODEAGENT_HOST_ROOT or /)")
     p.add_argument("--config", help="TOML config file")
+
+
+def _gate_names() -> list[str]:
+    from nodeagent.core.paths import HostPaths
+    from nodeagent.core.registry import build_guards
+
+    return [g.name for g in build_guards({}, HostPaths()) if g.gate]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     wait = sub.add_parser("wait", help="block until a gate is open (for init containers)")
     _common(wait)
-    wait.add_argument("gate", choices=["peermem"])
+    wait.add_argument("gate", choices=_gate_names())
     wait.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
 
     sim = sub.add_parser(
@@ -118,16 +126,16 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
 
 
 def cmd_check(cfg: Config, as_json: bool) -> int:
-    from nodeagent.agent import build_reconciler
+    from nodeagent.core.registry import build_reconciler
     from nodeagent.host.fs import HostRoot
     from nodeagent.host.observe import Observer
     from nodeagent.host.state import StateStore
 
     host = HostRoot(cfg.host_root)
-    reconciler = build_reconciler(cfg)
+    reconciler = build_reconciler(cfg.policies, cfg.paths)
     # Read-only use of the daemon's memory, so a stale flag is judged as the daemon would.
     memory, problems = StateStore(host, cfg.paths.state_dir).load_memory(reconciler, read_only=True)
-    snap = Observer(host, cfg).observe(time.time())
+    snap = Observer(host, cfg, reconciler.needs()).observe(time.time())
     rec = reconciler.decide(snap, memory)
     doc = {
         "kernel": snap.kernel,
@@ -146,7 +154,7 @@ def cmd_check(cfg: Config, as_json: bool) -> int:
             print(f"{guard}: {v.verdict}")
             for reason in v.reasons:
                 print(f"  - {reason}")
-    return EXIT_OPEN if all(v.is_open for v in rec.verdicts.values()) else EXIT_CLOSED
+    return EXIT_OK if all(v.ok for v in rec.verdicts.values()) else EXIT_NOT_OK
 
 
 def cmd_status(cfg: Config, as_json: bool) -> int:
@@ -160,10 +168,10 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
         raise NodeagentError(f"{store.status_rel}: unreadable: {exc}") from None
     if status is None:
         print(f"no agent status at {store.status_rel}: nodeagent has not run on this node")
-        return EXIT_CLOSED
+        return EXIT_NOT_OK
     if as_json:
         print(json.dumps(status, indent=2, default=str))
-        return EXIT_OPEN
+        return EXIT_OK
     age = time.time() - float(status.get("time") or 0)
     print(
         f"nodeagent {status.get('version')} mode={status.get('mode')} "
@@ -177,7 +185,7 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
         state = "done" if a.get("performed") else "decided (observe mode)"
         result = "ok" if a.get("ok") else f"failed: {a.get('error')}"
         print(f"last action: {a.get('action')} — {state}, {result}")
-    return EXIT_OPEN
+    return EXIT_OK
 
 
 def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
@@ -196,11 +204,11 @@ def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
         while True:
             if host.file_fact(rel).present:
                 print(f"{gate} gate is open")
-                return EXIT_OPEN
+                return EXIT_OK
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 print(f"timed out waiting for the {gate} gate ({rel})", file=sys.stderr)
-                return EXIT_CLOSED
+                return EXIT_NOT_OK
             # Poll every second too, in case the watch was set on a parent that later moved.
             waker.wait(1.0 if left is None else min(1.0, left))
             watch.refresh()

@@ -10,31 +10,16 @@ import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import PurePosixPath
 from typing import Any
 
-from nodeagent.core.names import validate_module_name, validate_module_param
-from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.core import policy as cfgval
+from nodeagent.core.paths import HostPaths
+from nodeagent.core.registry import GUARDS, entry
 from nodeagent.errors import NodeagentError
 
+__all__ = ["MODES", "Config", "HostPaths", "config_from_mapping", "load_config"]
+
 MODES = ("observe", "enforce")
-
-
-@dataclass(frozen=True)
-class HostPaths:
-    """Where things are, relative to the host root (``/`` on a node, ``/host`` in the pod)."""
-
-    osrelease: str = "proc/sys/kernel/osrelease"
-    sys_module: str = "sys/module"
-    mofed_ready: str = "run/mellanox/drivers/.driver-ready"
-    mofed_lock: str = "run/mellanox/drivers/.lock"
-    mofed_blacklist: str = "etc/modprobe.d/blacklist-ofed-modules.conf"
-    validations: str = "run/nvidia/validations"
-    mofed_driver_root: str = "run/mellanox/drivers"
-    gpu_driver_root: str = "run/nvidia/driver"
-    state_dir: str = "run/nodeagent"
-    timeline_dir: str = "var/lib/nodeagent"
-    journal_socket: str = "run/systemd/journal/socket"
 
 
 @dataclass(frozen=True)
@@ -50,7 +35,14 @@ class Config:
     metrics_address: str = "127.0.0.1:9808"
     journal: bool = True  # records to the host journal (the stderr JSON lines always)
     paths: HostPaths = field(default_factory=HostPaths)
-    peermem: PeermemPolicy = field(default_factory=PeermemPolicy)
+    # Each guard's policy by guard name, parsed by the guard's own entry in core/registry.py;
+    # a guard missing here runs with its default policy.
+    policies: Mapping[str, Any] = field(default_factory=dict)
+
+    def policy(self, guard: str) -> Any:
+        if guard in self.policies:
+            return self.policies[guard]
+        return entry(guard).default_policy
 
     @property
     def liveness_seconds(self) -> float:
@@ -58,133 +50,50 @@ class Config:
         return max(60.0, 3 * self.resync_seconds)
 
 
-def _check_relpath(key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise NodeagentError(f"config paths.{key}: expected a non-empty path, got {value!r}")
-    p = PurePosixPath(value)
-    if p.is_absolute() or ".." in p.parts or "\0" in value:
-        raise NodeagentError(
-            f"config paths.{key}: {value!r} must be relative to the host root, without '..'"
-        )
-    return value
-
-
-def _number(key: str, value: Any, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise NodeagentError(f"config {key}: expected a number, got {value!r}")
-    if not lo <= value <= hi:
-        raise NodeagentError(f"config {key}: {value!r} is outside {lo}..{hi}")
-    return float(value)
-
-
-def _reject_unknown(section: str, data: Mapping[str, Any], known: set[str]) -> None:
-    unknown = sorted(set(data) - known)
-    if unknown:
-        where = f"[{section}] " if section else ""
-        raise NodeagentError(
-            f"config {where}has unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})"
-        )
-
-
-def _module_list(key: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value:
-        raise NodeagentError(f"config {key}: expected a non-empty list of module names")
-    try:
-        return tuple(validate_module_name(v) for v in value)
-    except NodeagentError as exc:
-        raise NodeagentError(f"config {key}: {exc}") from None
-
-
 def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> Config:
     cfg = base or Config()
-    _reject_unknown("", data, {f.name for f in fields(Config)})
+    guard_names = {e.name for e in GUARDS}
+    cfgval.reject_unknown("", data, ({f.name for f in fields(Config)} - {"policies"}) | guard_names)
     changes: dict[str, Any] = {}
     if "host_root" in data:
         changes["host_root"] = _host_root(data["host_root"])
     if "mode" in data:
         changes["mode"] = _mode(data["mode"])
     if "resync_seconds" in data:
-        changes["resync_seconds"] = _number("resync_seconds", data["resync_seconds"], 0.05, 86400)
+        changes["resync_seconds"] = cfgval.number(
+            "resync_seconds", data["resync_seconds"], 0.05, 86400
+        )
     if "timeline_max_bytes" in data:
         changes["timeline_max_bytes"] = int(
-            _number("timeline_max_bytes", data["timeline_max_bytes"], 4096, 1 << 34)
+            cfgval.number("timeline_max_bytes", data["timeline_max_bytes"], 4096, 1 << 34)
         )
     if "timeline_keep" in data:
-        changes["timeline_keep"] = int(_number("timeline_keep", data["timeline_keep"], 1, 100))
+        changes["timeline_keep"] = int(
+            cfgval.number("timeline_keep", data["timeline_keep"], 1, 100)
+        )
     if "kmsg" in data:
         if not isinstance(data["kmsg"], str) or not data["kmsg"].startswith("/"):
             raise NodeagentError(f"config kmsg: expected an absolute path, got {data['kmsg']!r}")
         changes["kmsg"] = data["kmsg"]
     for key in ("uevents", "journal"):
         if key in data:
-            changes[key] = _bool(key, data[key])
+            changes[key] = cfgval.boolean(key, data[key])
     if "metrics_address" in data:
         changes["metrics_address"] = _metrics_address(data["metrics_address"])
     if "paths" in data:
-        p = data["paths"]
-        if not isinstance(p, Mapping):
-            raise NodeagentError("config [paths] must be a table")
-        known = {f.name for f in fields(HostPaths)}
-        _reject_unknown("paths", p, known)
-        changes["paths"] = replace(cfg.paths, **{k: _check_relpath(k, v) for k, v in p.items()})
-    if "peermem" in data:
-        changes.update(_peermem(data["peermem"], cfg))
-    return replace(cfg, **changes)
-
-
-def _peermem(p: Any, cfg: Config) -> dict[str, Any]:
-    if not isinstance(p, Mapping):
-        raise NodeagentError("config [peermem] must be a table")
-    _reject_unknown(
-        "peermem",
-        p,
-        {"mofed", "load_params", "retry_base_seconds", "retry_max_seconds", "rdma_stack"},
-    )
-    pol = cfg.peermem
-    out: dict[str, Any] = {}
-    if "mofed" in p:
-        if p["mofed"] not in ("container", "host"):
-            raise NodeagentError(
-                f"config peermem.mofed: expected 'container' or 'host', got {p['mofed']!r}"
+        p = cfgval.table("paths", data["paths"])
+        cfgval.reject_unknown("paths", p, {f.name for f in fields(HostPaths)})
+        changes["paths"] = replace(
+            cfg.paths, **{k: cfgval.check_relpath(f"paths.{k}", v) for k, v in p.items()}
+        )
+    policies = dict(cfg.policies)
+    for e in GUARDS:
+        if e.name in data:
+            policies[e.name] = e.parse_policy(
+                cfgval.table(e.name, data[e.name]), cfg.policy(e.name)
             )
-        pol = replace(pol, mofed=p["mofed"])
-    if "load_params" in p:
-        params = p["load_params"]
-        if not isinstance(params, list):
-            raise NodeagentError("config peermem.load_params: expected a list of key=value strings")
-        try:
-            pol = replace(pol, load_params=tuple(validate_module_param(x) for x in params))
-        except NodeagentError as exc:
-            raise NodeagentError(f"config peermem.load_params: {exc}") from None
-    if "retry_base_seconds" in p:
-        pol = replace(
-            pol,
-            retry_base_s=_number("peermem.retry_base_seconds", p["retry_base_seconds"], 0.01, 3600),
-        )
-    if "retry_max_seconds" in p:
-        pol = replace(
-            pol,
-            retry_max_s=_number("peermem.retry_max_seconds", p["retry_max_seconds"], 0.01, 86400),
-        )
-    if "rdma_stack" in p:
-        pol = replace(pol, rdma_stack=_module_list("peermem.rdma_stack", p["rdma_stack"]))
-    out["peermem"] = pol
-    return out
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise NodeagentError(f"config {key}: expected true or false, got {value!r}")
-    return value
-
-
-def _metrics_address(value: Any) -> str:
-    if value == "off":
-        return "off"
-    if not isinstance(value, str):
-        raise NodeagentError(f"metrics address: expected HOST:PORT or 'off', got {value!r}")
-    parse_address(value)
-    return value
+    changes["policies"] = policies
+    return replace(cfg, **changes)
 
 
 def parse_address(value: str) -> tuple[str, int]:
@@ -195,6 +104,15 @@ def parse_address(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise NodeagentError(f"metrics address {value!r}: expected HOST:PORT, e.g. 127.0.0.1:9808")
     return host, int(port)
+
+
+def _metrics_address(value: Any) -> str:
+    if value == "off":
+        return "off"
+    if not isinstance(value, str):
+        raise NodeagentError(f"metrics address: expected HOST:PORT or 'off', got {value!r}")
+    parse_address(value)
+    return value
 
 
 def _host_root(value: Any) -> str:

@@ -36,11 +36,18 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from nodeagent import __version__
 from nodeagent.config import parse_address
-from nodeagent.core.actions import Action, LoadModuleFile, UnloadModule
+from nodeagent.core.actions import (
+    Action,
+    ActionOutcome,
+    LoadModule,
+    LoadModuleFile,
+    RemoveFile,
+    UnloadModule,
+    WriteFile,
+)
 from nodeagent.core.telemetry import (
     LATENCY_BUCKETS,
     MetricFamily,
-    TimedAction,
     guard_families,
     guard_samples,
     verdict_ok,
@@ -52,7 +59,13 @@ log = logging.getLogger("nodeagent.metrics")
 
 # What woke a pass, by the first word of each wake-up (events.py, agent.py).
 WAKE_SOURCES = frozenset({"start", "once", "resync", "inotify", "uevent", "stop"})
-ACTION_KINDS: dict[type, str] = {LoadModuleFile: "load", UnloadModule: "unload"}
+ACTION_KINDS: dict[type, str] = {
+    LoadModuleFile: "load",
+    LoadModule: "load",
+    UnloadModule: "unload",
+    WriteFile: "write_file",
+    RemoveFile: "remove_file",
+}
 # How a guard's declared family is made (prometheus-client adds a counter's _total).
 FAMILY_MAKERS: dict[str, Callable[[MetricFamily, CollectorRegistry], Any]] = {
     "gauge": lambda f, r: Gauge(f.name, f.help, list(f.labels), registry=r),
@@ -226,19 +239,20 @@ class MetricsExporter:
         for source in {wake_source(w) for w in result.woken_by}:
             self.wakeups.labels(source).inc()
 
-        per_guard: dict[str, list[TimedAction]] = defaultdict(list)
+        per_guard: dict[str, list[ActionOutcome]] = defaultdict(list)
         undone: set[str] = set()
-        for outcome, (done, seconds) in zip(result.outcomes, result.action_times, strict=False):
+        for outcome in result.outcomes:
             action = outcome.action
             kind = action_kind(action)
             module = getattr(action, "module", None)
             if outcome.performed:
                 res = "ok" if outcome.ok else "failed"
-                self.event_to_action.labels(action.guard, kind).observe(
-                    max(0.0, done - result.started)
-                )
-                if seconds is not None:
-                    self.action_duration.labels(action.guard, kind).observe(seconds)
+                if outcome.finished_at is not None:
+                    self.event_to_action.labels(action.guard, kind).observe(
+                        max(0.0, outcome.finished_at - result.started)
+                    )
+                if outcome.seconds is not None:
+                    self.action_duration.labels(action.guard, kind).observe(outcome.seconds)
             else:
                 res = "not_performed"
                 undone.add(action.describe())
@@ -246,7 +260,7 @@ class MetricsExporter:
                     module = None  # observe mode decides it every pass: count it once
             if module is not None:
                 self.module_actions.labels(action.guard, module, kind, res).inc()
-            per_guard[action.guard].append(TimedAction(outcome, seconds))
+            per_guard[action.guard].append(outcome)
         self._undone = undone
 
         for name, verdict in result.verdicts.items():
@@ -260,7 +274,7 @@ class MetricsExporter:
             if guard is not None:
                 self._guard_samples(guard, verdict, per_guard.get(name, []))
 
-    def _guard_samples(self, guard: Any, verdict: Any, actions: list[TimedAction]) -> None:
+    def _guard_samples(self, guard: Any, verdict: Any, actions: list[ActionOutcome]) -> None:
         fams = guard_families(guard)
         for fam in fams:
             if fam.kind == "gauge":

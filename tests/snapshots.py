@@ -22,6 +22,10 @@ GEN_B = {  # MOFED 25.10
     "ib_core": "C0FFEE1234567890ABCDEF1",
     "ib_uverbs": "DEADBEEF0123456789ABCDE",
 }
+READY = "run/mellanox/drivers/.driver-ready"
+LOCK = "run/mellanox/drivers/.lock"
+BLACKLIST = "etc/modprobe.d/blacklist-ofed-modules.conf"
+VALIDATIONS = "run/nvidia/validations"
 CRC_OK = 0x368A11CB
 CRC_OTHER = 0x8D5FEB7B
 PEER_SYMS = ("ib_register_peer_memory_client", "ib_unregister_peer_memory_client")
@@ -44,7 +48,7 @@ def disk(name: str, srcversion: str | None, path: str | None = None, **kw: Any) 
 
 def flag(present: bool = True, inode: int = 100, mtime: int = 1) -> FileFact:
     return FileFact(
-        path="run/mellanox/drivers/.driver-ready",
+        path=READY,
         present=present,
         ident=FileId(inode, mtime, mtime) if present else None,
     )
@@ -69,12 +73,33 @@ def healthy(gen: dict[str, str] = GEN_B, now: float = 1000.0) -> NodeSnapshot:
         now=now,
         kernel=KVER,
         modules=MappingProxyType(modules),
-        mofed_ready=flag(True),
-        mofed_blacklist=FileFact(path="etc/modprobe.d/blacklist-ofed-modules.conf", present=False),
-        mofed_lock=FileFact(path="run/mellanox/drivers/.lock", present=False),
-        validations=(),
         disk=MappingProxyType(disks),
+        files=MappingProxyType(
+            {
+                f.path: f
+                for f in (
+                    flag(True),
+                    FileFact(path=BLACKLIST, present=False),
+                    FileFact(path=LOCK, present=False),
+                )
+            }
+        ),
+        listings=MappingProxyType({VALIDATIONS: ()}),
     )
+
+
+def with_files(snap: NodeSnapshot, *facts: FileFact) -> NodeSnapshot:
+    files = dict(snap.files)
+    files.update((f.path, f) for f in facts)
+    return replace(snap, files=MappingProxyType(files))
+
+
+def blacklist_file(present: bool = True) -> FileFact:
+    return FileFact(path=BLACKLIST, present=present, ident=FileId(7, 1, 1) if present else None)
+
+
+def with_validations(snap: NodeSnapshot, *names: str) -> NodeSnapshot:
+    return replace(snap, listings=MappingProxyType({**snap.listings, VALIDATIONS: names}))
 
 
 def with_modules(snap: NodeSnapshot, **mods: LoadedModule | None) -> NodeSnapshot:

@@ -19,6 +19,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.observe import Observer
 from nodeagent.host.state import StateStore
 from nodeagent.timeline import Timeline
+from tests.snapshots import READY
 
 BUILD_ID = bytes(range(20))
 
@@ -45,7 +46,8 @@ def root(tmp_path: Path) -> Path:
 
 
 def observe(root: Path):
-    return Observer(HostRoot(root), Config(host_root=str(root))).observe(1.0)
+    cfg = Config(host_root=str(root))
+    return Observer(HostRoot(root), cfg, build_reconciler(cfg).needs()).observe(1.0)
 
 
 def test_garbage_sysfs_values_become_named_problems(root: Path) -> None:
@@ -82,8 +84,8 @@ def test_symlink_at_driver_ready_is_reported_and_not_followed(root: Path) -> Non
     flag.parent.mkdir(parents=True)
     flag.symlink_to(elsewhere)
     snap = observe(root)
-    assert snap.mofed_ready.present is False
-    assert "symlink" in (snap.mofed_ready.problem or "")
+    assert snap.file(READY).present is False
+    assert "symlink" in (snap.file(READY).problem or "")
     d = build_reconciler(Config()).decide(snap, build_reconciler(Config()).initial_memory())
     assert any("is a symlink" in r for r in d.verdicts["peermem"].reasons)
 

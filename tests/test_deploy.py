@@ -144,6 +144,10 @@ def test_the_daemonset_asks_for_least_privilege() -> None:
     for needed in ("/sys", "/run/mellanox/drivers", "/run/nvidia", "/etc/modprobe.d"):
         assert needed in hosts
     assert {"/lib/modules", "/run/systemd/journal/socket", *WRITTEN_HOST_PATHS} <= hosts
+    # What the config reads under the host root is mounted there (defaults of [paths]).
+    paths = Config().paths
+    for rel in (paths.osrelease, paths.locks, paths.mountinfo, paths.sys_module):
+        assert any(("/" + rel).startswith(h) for h in hosts), f"{rel} is not mounted"
 
     env = {e["name"]: e for e in c["env"]}
     assert env["NODEAGENT_HOST_ROOT"]["value"] == "/host"

@@ -15,7 +15,6 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,7 +27,7 @@ from nodeagent.config import Config, load_config
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.guard import Verdict
 from nodeagent.core.snapshot import NodeSnapshot
-from nodeagent.core.telemetry import MetricFamily, Sample, TimedAction
+from nodeagent.core.telemetry import MetricFamily, Sample
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics import MetricsExporter, MetricsServer, wake_source
 from nodeagent.sim.node import READY, Node
@@ -193,7 +192,7 @@ class TrafficLight:
         MetricFamily("nodeagent_light_switch_seconds", "histogram", "switch time", ("pf",)),
     )
 
-    def metric_samples(self, verdict: Verdict, actions: Sequence[TimedAction]) -> list[Sample]:
+    def metric_samples(self, verdict: Verdict, actions: Sequence[ActionOutcome]) -> list[Sample]:
         out = [Sample("nodeagent_light_lamps", {"colour": verdict.verdict}, 1)]
         for a in actions:
             out.append(Sample("nodeagent_light_switches_total", {"pf": "0000:3b:00.0"}, 1))
@@ -203,19 +202,8 @@ class TrafficLight:
         return out
 
 
-@dataclass(frozen=True)
-class WordVerdict:
-    """A verdict of the coming shape: the guard's own word plus ``ok``."""
-
-    guard: str
-    verdict: str
-    ok: bool
-    reasons: tuple[str, ...] = ()
-    evidence: Mapping[str, Any] = field(default_factory=dict)
-
-
-def verdict(guard: str, word: str, ok: bool) -> Any:
-    return WordVerdict(guard, word, ok)
+def verdict(guard: str, word: str, ok: bool) -> Verdict:
+    return Verdict(guard=guard, verdict=word, ok=ok, reasons=())
 
 
 def pass_result(
@@ -228,7 +216,6 @@ def pass_result(
         None,
         woken_by=tuple(woken_by),
         started=100.0,
-        action_times=tuple((100.25, 0.125) for _ in outcomes),
     )
 
 
@@ -250,7 +237,11 @@ def test_a_guard_brings_its_own_words_and_families() -> None:
 
     load = LoadModuleFile(guard="light", module="m", path="m.ko", params=(), reason="r")
     unload = UnloadModule(guard="light", module="m", reason="r")
-    outcomes = [ActionOutcome(load, ok=False, error="EINVAL"), ActionOutcome(unload, ok=True)]
+    timing = {"finished_at": 100.25, "seconds": 0.125}
+    outcomes = [
+        ActionOutcome(load, ok=False, error="EINVAL", **timing),
+        ActionOutcome(unload, ok=True, **timing),
+    ]
     exp.on_pass(
         pass_result({"light": verdict("light", "amber", False)}, outcomes, ["inotify x", "z"]),
         None,
@@ -364,7 +355,9 @@ def test_every_config_key_is_documented() -> None:
             config_from_mapping({section: probe} if section else probe)
         return str(err.value).split("(known: ", 1)[1].rstrip(")").split(", ")
 
-    sections = {k: known(k) for k in ("paths", "peermem")}
+    from nodeagent.core.registry import GUARDS
+
+    sections = {k: known(k) for k in ("paths", *(e.name for e in GUARDS))}
     top = known(None)
     assert set(sections) <= set(top)
     for key in top:

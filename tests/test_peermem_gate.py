@@ -11,18 +11,23 @@ from hypothesis import strategies as st
 
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.peermem import PEERMEM, RDMA_STACK, PeermemGate, PeermemMemory, PeermemPolicy
-from nodeagent.core.snapshot import FileFact, FileId, NodeSnapshot
+from nodeagent.core.snapshot import FileId, NodeSnapshot
 from tests.snapshots import (
+    BLACKLIST,
     CRC_OTHER,
     GEN_A,
     GEN_B,
     PEER_SYMS,
+    READY,
+    blacklist_file,
     disk,
     flag,
     healthy,
     loaded,
     with_disk,
+    with_files,
     with_modules,
+    with_validations,
 )
 
 GATE = PeermemGate()
@@ -49,7 +54,7 @@ def test_healthy_node_opens_and_loads_peermem_from_the_gpu_driver_root() -> None
 
 
 def test_evidence_carries_the_gpu_markers_and_the_mofed_lock() -> None:
-    snap = replace(healthy(), validations=(".driver-ctr-ready", "toolkit-ready"))
+    snap = with_validations(healthy(), ".driver-ctr-ready", "toolkit-ready")
     ev = decide(snap).verdict.evidence
     assert ev["gpu_validations"] == [".driver-ctr-ready", "toolkit-ready"]
     assert ev["mofed_lock_present"] is False
@@ -71,7 +76,7 @@ def test_seed_001_at_1157_flag_absent_new_mlx5_core_half_loaded() -> None:
         mlx5_ib=None,
         ib_uverbs=None,
     )
-    snap = replace(snap, mofed_ready=flag(False))
+    snap = with_files(snap, flag(False))
     d = decide(snap)
     assert d.verdict.verdict == "closed"
     reasons = "\n".join(d.verdict.reasons)
@@ -97,19 +102,14 @@ def test_flag_that_survived_a_mlx5_core_reload_is_stale_until_recreated() -> Non
     assert any("stale" in r for r in d.verdict.reasons)
     assert d.actions == ()
     # 3. MOFED touches the flag (new mtime): fresh, open.
-    fresh = replace(healthy(), mofed_ready=flag(True, inode=100, mtime=2))
+    fresh = with_files(healthy(), flag(True, inode=100, mtime=2))
     d = gate.decide(fresh, d.memory)
     assert d.verdict.verdict == "open", d.verdict.reasons
     assert any("(re)created" in e for e in d.events)
 
 
 def test_blacklist_file_present_closes_the_gate() -> None:
-    snap = replace(
-        healthy(),
-        mofed_blacklist=FileFact(
-            path="etc/modprobe.d/blacklist-ofed-modules.conf", present=True, ident=FileId(5, 1, 1)
-        ),
-    )
+    snap = with_files(healthy(), blacklist_file(True))
     d = decide(snap)
     assert d.verdict.verdict == "closed"
     assert any("restarting openibd" in r for r in d.verdict.reasons)
@@ -195,7 +195,7 @@ def test_abi_preflight_unverifiable_provider_is_evidence_not_a_reason() -> None:
 
 def test_host_mofed_mode_ignores_the_container_markers() -> None:
     gate = PeermemGate(PeermemPolicy(mofed="host"))
-    snap = replace(healthy(), mofed_ready=flag(False))
+    snap = with_files(healthy(), flag(False))
     d = decide(snap, gate=gate)
     assert d.verdict.verdict == "open", d.verdict.reasons
 
@@ -204,14 +204,14 @@ def test_restart_unloads_idle_peermem_at_once() -> None:
     base = with_modules(healthy(), nvidia_peermem=loaded(PEERMEM, "P" * 23, refcnt=0))
     d = decide(base)
     assert d.actions == ()
-    d2 = GATE.decide(replace(base, mofed_ready=flag(False)), d.memory)
+    d2 = GATE.decide(with_files(base, flag(False)), d.memory)
     assert [type(a) for a in d2.actions] == [UnloadModule]
     assert d2.actions[0].module == PEERMEM
 
 
 def test_restart_leaves_busy_peermem_and_says_who_holds_it() -> None:
     busy = loaded(PEERMEM, "P" * 23, refcnt=3, holders=("gdrdrv",))
-    snap = replace(with_modules(healthy(), nvidia_peermem=busy), mofed_ready=flag(False))
+    snap = with_files(with_modules(healthy(), nvidia_peermem=busy), flag(False))
     d = decide(snap)
     assert d.actions == ()
     assert any("refcnt 3" in e and "gdrdrv" in e for e in d.events)
@@ -277,18 +277,11 @@ def _variant(
 ) -> NodeSnapshot:
     snap = healthy(GEN_B, now=now)
     if flag_state == 0:
-        snap = replace(snap, mofed_ready=flag(False))
+        snap = with_files(snap, flag(False))
     else:
-        snap = replace(snap, mofed_ready=flag(True, mtime=flag_state))
+        snap = with_files(snap, flag(True, mtime=flag_state))
     if blacklist:
-        snap = replace(
-            snap,
-            mofed_blacklist=FileFact(
-                path="etc/modprobe.d/blacklist-ofed-modules.conf",
-                present=True,
-                ident=FileId(9, 1, 1),
-            ),
-        )
+        snap = with_files(snap, blacklist_file(True))
     if mlx5 == "absent":
         snap = with_modules(snap, mlx5_core=None)
     elif mlx5 != "live":
@@ -328,9 +321,9 @@ def _conditions_hold(snap: NodeSnapshot, stale: bool) -> bool:
     return (
         "nvidia" in mods
         and mods["nvidia"].live
-        and snap.mofed_ready.present
+        and snap.file(READY).present
         and not stale
-        and not snap.mofed_blacklist.present
+        and not snap.file(BLACKLIST).present
         and all(n in mods and mods[n].live for n in RDMA_STACK)
         and mods["ib_core"].srcversion == GEN_B["ib_core"]
         and snap.disk["ib_core"].exported_crcs[PEER_SYMS[0]]
@@ -347,16 +340,16 @@ def test_property_no_load_while_any_condition_fails_and_unload_on_restart(seq) -
     prev_signals = False
     for snap in seq:
         signals = (
-            not snap.mofed_ready.present
-            or snap.mofed_blacklist.present
+            not snap.file(READY).present
+            or snap.file(BLACKLIST).present
             or "mlx5_core" not in snap.modules
             or snap.modules["mlx5_core"].initstate == "going"
         )
         # Independent model of the stale-flag rule.
         if signals:
             pending = True
-            stale_flag = snap.mofed_ready.ident if snap.mofed_ready.present else None
-        elif pending and snap.mofed_ready.ident != stale_flag:
+            stale_flag = snap.file(READY).ident if snap.file(READY).present else None
+        elif pending and snap.file(READY).ident != stale_flag:
             pending = False
         d = GATE.decide(snap, mem)
         loads = [a for a in d.actions if isinstance(a, LoadModuleFile)]

@@ -52,3 +52,32 @@ def test_core_calls_no_open() -> None:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("open", "print", "input"), f"{f.name}: {node.func.id}()"
+
+
+HOST = CORE.parent / "host"
+
+
+def guard_modules() -> set[str]:
+    from nodeagent.core.registry import GUARDS
+
+    return {e.build.__module__ for e in GUARDS} | {"nodeagent.core.registry"}
+
+
+def test_the_host_layer_never_imports_a_guard() -> None:
+    guards = guard_modules()
+    files = sorted(HOST.glob("*.py"))
+    assert len(files) >= 8
+    for f in files:
+        for name in imports(f):
+            assert name not in guards, f"host/{f.name} imports {name}: the host never decides"
+
+
+def test_guards_never_import_each_other() -> None:
+    guards = guard_modules() - {"nodeagent.core.registry"}
+    assert len(guards) >= 1
+    for mod in guards:
+        path = CORE / (mod.rsplit(".", 1)[-1] + ".py")
+        others = guards - {mod}
+        for name in imports(path):
+            assert name not in others, f"{path.name} imports the guard {name}"
+            assert name != "nodeagent.core.registry", f"{path.name} imports the guard list"

@@ -1,13 +1,17 @@
 """What guards ask the host layer to do, and what came of it.
 
 Actions are plain immutable values; ``nodeagent.host.act`` is the only code
-that turns them into kernel or file operations. Every action names the guard
-that asked for it and why, so the timeline can show the evidence.
+that turns them into kernel or file operations, through one table keyed by
+action type. Every action names the guard that asked for it and why, so the
+timeline can show the evidence. A guard's actions of one pass form its
+``Plan``: a strategy (``sequence`` stops at the first failure; ``parallel``
+runs up to ``bound`` steps at once) over the steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,21 @@ class LoadModuleFile:
 
 
 @dataclass(frozen=True)
+class LoadModule:
+    """Load a module by name with its dependencies, like modprobe -d, from the first
+    driver tree that has it (``trees``: driver roots under the host root; "" is the host's)."""
+
+    guard: str
+    module: str
+    trees: tuple[str, ...]
+    reason: str
+
+    def describe(self) -> str:
+        where = " or ".join(f"/{t}" if t else "the host" for t in self.trees)
+        return f"load {self.module} from {where}"
+
+
+@dataclass(frozen=True)
 class UnloadModule:
     guard: str
     module: str
@@ -35,7 +54,40 @@ class UnloadModule:
         return f"unload {self.module}"
 
 
-Action = LoadModuleFile | UnloadModule
+@dataclass(frozen=True)
+class WriteFile:
+    """Write a file under the host root atomically (temp, fsync, rename; no symlink followed)."""
+
+    guard: str
+    path: str  # relative to the host root
+    content: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"write {self.path}"
+
+
+@dataclass(frozen=True)
+class RemoveFile:
+    guard: str
+    path: str  # relative to the host root
+    reason: str
+
+    def describe(self) -> str:
+        return f"remove {self.path}"
+
+
+Action = LoadModuleFile | LoadModule | UnloadModule | WriteFile | RemoveFile
+
+Strategy = Literal["sequence", "parallel"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    guard: str
+    steps: tuple[Action, ...]
+    strategy: Strategy = "sequence"
+    bound: int = 1  # parallel: at most this many steps at once
 
 
 @dataclass(frozen=True)
@@ -46,3 +98,6 @@ class ActionOutcome:
     error: str | None = None  # one line, e.g. "Invalid argument (EINVAL)"
     kernel_messages: tuple[str, ...] = ()  # the kernel's own lines about the module
     performed: bool = True  # False in observe mode: decided and recorded, not done
+    # Stamped by the host layer when performed (agent clock): when it ended, how long it took.
+    finished_at: float | None = None
+    seconds: float | None = None

@@ -1,39 +1,41 @@
-"""The shape every guard has: ``decide(snapshot, memory) -> GuardDecision``.
+"""The shape every guard has: ``needs()`` and ``decide(snapshot, memory) -> GuardDecision``.
 
-A guard is pure: it reads a ``NodeSnapshot`` and its own memory (what it saw
-on earlier passes) and returns a verdict with reasons, the actions it wants,
-and its next memory. Outcomes of actions come back through ``absorb``. Memory
-round-trips through JSON so the agent can persist it and a restarted agent
-resumes where the last one stopped.
+A guard is pure: it declares what it needs observed, reads a ``NodeSnapshot``
+and its own memory (what it saw on earlier passes) and returns a verdict with
+reasons, the actions it wants (run as one plan, with a strategy), and its next
+memory. Outcomes of actions come back through ``absorb``. Memory round-trips
+through JSON so the agent can persist it and a restarted agent resumes where
+the last one stopped. How to add one: docs/design.md, "Adding a guard".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-from nodeagent.core.actions import Action, ActionOutcome
+from nodeagent.core.actions import Action, ActionOutcome, Plan, Strategy
+from nodeagent.core.needs import Needs
 from nodeagent.core.snapshot import EMPTY, NodeSnapshot
 
 M = TypeVar("M")
-
-VerdictName = Literal["open", "closed"]
 
 
 @dataclass(frozen=True)
 class Verdict:
     guard: str
-    verdict: VerdictName
+    verdict: str  # the guard's own word: open/closed, clear/blocking/in-use/holding ...
+    ok: bool  # nothing for an operator to act on (``nodeagent check`` exits 0 when all are)
     reasons: tuple[str, ...]  # one per failed condition, in operator words
     evidence: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
 
-    @property
-    def is_open(self) -> bool:
-        return self.verdict == "open"
-
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "reasons": list(self.reasons), "evidence": self.evidence}
+        return {
+            "verdict": self.verdict,
+            "ok": self.ok,
+            "reasons": list(self.reasons),
+            "evidence": self.evidence,
+        }
 
 
 @dataclass(frozen=True)
@@ -43,16 +45,29 @@ class GuardDecision(Generic[M]):
     memory: M
     events: tuple[str, ...] = ()  # transitions worth a timeline line ("MOFED restart began: ...")
     wake_at: float | None = None  # the guard wants another pass by then (e.g. a retry backoff)
+    strategy: Strategy = "sequence"
+    bound: int = 1
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(self.verdict.guard, self.actions, self.strategy, self.bound)
 
 
 class Guard(Protocol[M]):
     name: str
+    gate: bool  # publishes run/nodeagent/<name>.gate while ok (others only report)
+
+    def needs(self) -> Needs: ...
 
     def initial_memory(self) -> M: ...
 
     def decide(self, snap: NodeSnapshot, memory: M) -> GuardDecision[M]: ...
 
     def absorb(self, memory: M, outcome: ActionOutcome, now: float) -> M: ...
+
+    def on_stop(self, memory: M) -> tuple[Action, ...]:
+        """What to undo when the agent stops (enforce mode), e.g. remove a hold file."""
+        ...
 
     def memory_to_json(self, memory: M) -> dict[str, Any]: ...
 

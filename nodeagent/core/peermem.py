@@ -26,18 +26,34 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
+from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
-from nodeagent.core.snapshot import DiskModule, FileId, LoadedModule, NodeSnapshot
-from nodeagent.core.telemetry import MetricFamily, Sample, TimedAction
+from nodeagent.core.identity import (
+    abi_mismatches,
+    disk_evidence,
+    identity_mismatch,
+    module_evidence,
+)
+from nodeagent.core.mofed import (
+    MOFED_MODES,
+    MofedMode,
+    RestartTrack,
+    restart_signals,
+    track_restart,
+)
+from nodeagent.core.names import validate_module_param
+from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
+from nodeagent.core.paths import HostPaths
+from nodeagent.core.snapshot import FileId, NodeSnapshot
+from nodeagent.core.telemetry import MetricFamily, Sample
+from nodeagent.errors import NodeagentError
 
 PEERMEM = "nvidia_peermem"
 NVIDIA = "nvidia"
 RDMA_STACK: tuple[str, ...] = ("mlx5_core", "mlx5_ib", "ib_core", "ib_uverbs")
-
-MofedMode = Literal["container", "host"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,35 @@ class PeermemPolicy:
     load_params: tuple[str, ...] = ()
     retry_base_s: float = 5.0
     retry_max_s: float = 300.0
+
+
+def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
+    """``[peermem]`` of the config file over ``pol``; NodeagentError naming a bad value."""
+    cfgval.reject_unknown(
+        "peermem",
+        table,
+        {"mofed", "load_params", "retry_base_seconds", "retry_max_seconds", "rdma_stack"},
+    )
+    if "mofed" in table:
+        mode = cfgval.choice("peermem.mofed", table["mofed"], MOFED_MODES)
+        pol = replace(pol, mofed="host" if mode == "host" else "container")
+    if "load_params" in table:
+        params = table["load_params"]
+        if not isinstance(params, list):
+            raise NodeagentError("config peermem.load_params: expected a list of key=value strings")
+        try:
+            pol = replace(pol, load_params=tuple(validate_module_param(x) for x in params))
+        except NodeagentError as exc:
+            raise NodeagentError(f"config peermem.load_params: {exc}") from None
+    if "retry_base_seconds" in table:
+        base = cfgval.number("peermem.retry_base_seconds", table["retry_base_seconds"], 0.01, 3600)
+        pol = replace(pol, retry_base_s=base)
+    if "retry_max_seconds" in table:
+        cap = cfgval.number("peermem.retry_max_seconds", table["retry_max_seconds"], 0.01, 86400)
+        pol = replace(pol, retry_max_s=cap)
+    if "rdma_stack" in table:
+        pol = replace(pol, rdma_stack=cfgval.module_list("peermem.rdma_stack", table["rdma_stack"]))
+    return pol
 
 
 @dataclass(frozen=True)
@@ -60,84 +105,6 @@ class PeermemMemory:
     last_error: str | None = None
     # The restart signals of the last pass, to report a restart once, when it begins.
     last_signals: tuple[str, ...] = ()
-
-
-def _fmt_identity(mod: LoadedModule | DiskModule, kind: str) -> str:
-    value = mod.srcversion if kind == "srcversion" else mod.build_id
-    return f"{kind} {value}" if value else f"no {kind}"
-
-
-def identity_mismatch(loaded: LoadedModule, disk: DiskModule) -> str | None:
-    """None when the loaded module is the file on disk; else the reason, naming both identities."""
-    if disk.path is None:
-        return (
-            f"{loaded.name}: no module file on disk to compare with ({disk.problem or 'not found'})"
-        )
-    if disk.problem:
-        return f"{loaded.name}: cannot read {disk.path}: {disk.problem}"
-    # srcversion is the stronger identity (MOFED itself compares it); build-id
-    # covers kernels that set no srcversion on in-tree modules (Debian).
-    for kind in ("srcversion", "build_id"):
-        have = getattr(loaded, kind)
-        want = getattr(disk, kind)
-        if have and want:
-            if have == want:
-                return None
-            label = "build-id" if kind == "build_id" else kind
-            return (
-                f"{loaded.name}: the loaded module ({label} {have}) is not the one on disk "
-                f"at {disk.path} ({label} {want})"
-            )
-    return (
-        f"{loaded.name}: cannot tell whether the loaded module is the one at {disk.path}: "
-        f"loaded has {_fmt_identity(loaded, 'srcversion')}, {_fmt_identity(loaded, 'build_id')}; "
-        f"file has {_fmt_identity(disk, 'srcversion')}, {_fmt_identity(disk, 'build_id')}"
-    )
-
-
-def abi_mismatches(
-    consumer: DiskModule,
-    providers: Mapping[str, tuple[LoadedModule | None, DiskModule]],
-) -> tuple[list[str], dict[str, Any]]:
-    """Compare the CRCs ``consumer``'s .ko requires with those its loaded providers export.
-
-    ``providers`` maps each module the consumer depends on to (its loaded
-    state, its file on disk). A provider's CRCs are only trusted when its
-    loaded identity matches that file; otherwise the check is reported as not
-    possible. The kernel refuses a consumer whose CRC for a symbol differs
-    from the provider's ("disagrees about version of symbol", EINVAL).
-    """
-    evidence: dict[str, Any] = {"checked": [], "unverifiable": []}
-    reasons: list[str] = []
-    if consumer.path is None or consumer.problem or not consumer.required_crcs:
-        evidence["unverifiable"].append(
-            f"{consumer.name}.ko: " + (consumer.problem or "no __versions CRCs to check")
-        )
-        return reasons, evidence
-    for provider_name, (loaded, provider) in providers.items():
-        if loaded is None:
-            continue  # the gate's liveness conditions already speak for it
-        if provider.path is None or provider.problem:
-            evidence["unverifiable"].append(
-                f"{provider_name}: {provider.problem or 'no module file found'}"
-            )
-            continue
-        if identity_mismatch(loaded, provider) is not None:
-            evidence["unverifiable"].append(
-                f"{provider_name}: loaded module is not {provider.path}, its CRCs are unknown"
-            )
-            continue
-        for symbol, need in sorted(consumer.required_crcs.items()):
-            have = provider.exported_crcs.get(symbol)
-            if have is None:
-                continue
-            evidence["checked"].append(symbol)
-            if have != need:
-                reasons.append(
-                    f"{consumer.name} needs {symbol} CRC {need:#010x} "
-                    f"but the loaded {provider_name} exports {have:#010x}"
-                )
-    return reasons, evidence
 
 
 # The gate's conditions, by the name its metrics use (nodeagent_peermem_condition_holding).
@@ -154,6 +121,7 @@ PEERMEM_CONDITIONS: tuple[str, ...] = (
 
 class PeermemGate:
     name = "peermem"
+    gate = True
     verdict_words: tuple[str, ...] = ("open", "closed")
     metric_families: tuple[MetricFamily, ...] = (
         MetricFamily(
@@ -175,12 +143,27 @@ class PeermemGate:
         ),
     )
 
-    def __init__(self, policy: PeermemPolicy | None = None) -> None:
+    def __init__(self, policy: PeermemPolicy | None = None, paths: HostPaths | None = None) -> None:
         self.policy = policy or PeermemPolicy()
+        self.paths = paths or HostPaths()
+        self.mofed = self.paths.mofed
+
+    def needs(self) -> Needs:
+        pol, paths = self.policy, self.paths
+        stack_trees = (HOST_TREE,) if pol.mofed == "host" else (paths.mofed_driver_root, HOST_TREE)
+        return Needs(
+            modules=frozenset({NVIDIA, PEERMEM, "mlx5_core", *pol.rdma_stack}),
+            disk=(
+                *(DiskNeed(name, stack_trees) for name in pol.rdma_stack),
+                DiskNeed(PEERMEM, (paths.gpu_driver_root, HOST_TREE), follow_depends=True),
+            ),
+            files=self.mofed.files,
+            listings=frozenset({paths.validations}),
+        )
 
     # -- telemetry ------------------------------------------------------------
 
-    def metric_samples(self, verdict: Verdict, actions: Sequence[TimedAction]) -> list[Sample]:
+    def metric_samples(self, verdict: Verdict, actions: Sequence[ActionOutcome]) -> list[Sample]:
         ev = verdict.evidence
         holding = set(ev.get("holding", ()))
         out = [
@@ -195,9 +178,9 @@ class PeermemGate:
     def mofed_ready(self, snap: NodeSnapshot, memory: PeermemMemory) -> bool:
         if self.policy.mofed == "container":
             return (
-                snap.mofed_ready.present
+                snap.file(self.mofed.ready).present
                 and not memory.restart_pending
-                and not snap.mofed_blacklist.present
+                and not snap.file(self.mofed.blacklist).present
             )
         return all(
             (m := snap.module(name)) is not None and m.live for name in self.policy.rdma_stack
@@ -247,21 +230,6 @@ class PeermemGate:
 
     # -- the decision ---------------------------------------------------------
 
-    def restart_signals(self, snap: NodeSnapshot) -> tuple[str, ...]:
-        """Evidence that MOFED is restarting the RDMA stack right now."""
-        signals = []
-        if self.policy.mofed == "container":
-            if not snap.mofed_ready.present:
-                signals.append("MOFED ready flag absent")
-            if snap.mofed_blacklist.present:
-                signals.append("MOFED blacklist file present (openibd restart in progress)")
-        mlx5 = snap.module("mlx5_core")
-        if mlx5 is None:
-            signals.append("mlx5_core not loaded")
-        elif mlx5.initstate == "going":
-            signals.append("mlx5_core unloading")
-        return tuple(signals)
-
     def decide(self, snap: NodeSnapshot, memory: PeermemMemory) -> GuardDecision[PeermemMemory]:
         pol = self.policy
         events: list[str] = []
@@ -275,36 +243,34 @@ class PeermemGate:
                 holding.append(condition)
 
         # Memory first: a restart seen now makes the current ready flag stale.
-        signals = self.restart_signals(snap)
+        ready = snap.file(self.mofed.ready)
+        signals = restart_signals(snap, self.mofed, pol.mofed)
         restart_began = bool(signals) and not memory.last_signals
+        track, mofed_events = track_restart(
+            RestartTrack(memory.restart_pending, memory.stale_flag, memory.last_signals),
+            signals,
+            ready,
+            pol.mofed,
+        )
+        events.extend(mofed_events)
         if signals:
-            if restart_began:
-                events.append("MOFED restart began: " + "; ".join(signals))
-            flag = snap.mofed_ready.ident if snap.mofed_ready.present else None
-            memory = replace(
-                memory,
-                restart_pending=True,
-                stale_flag=flag,
-                # A new RDMA generation: earlier load failures say nothing about it.
-                failures=0,
-                retry_at=None,
-            )
-        elif memory.restart_pending and pol.mofed == "container":
-            if snap.mofed_ready.present and snap.mofed_ready.ident != memory.stale_flag:
-                memory = replace(memory, restart_pending=False, stale_flag=None)
-                events.append("MOFED ready flag (re)created after the restart")
-        elif memory.restart_pending:
-            memory = replace(memory, restart_pending=False, stale_flag=None)
-        memory = replace(memory, last_signals=signals)
+            # A new RDMA generation: earlier load failures say nothing about it.
+            memory = replace(memory, failures=0, retry_at=None)
+        memory = replace(
+            memory,
+            restart_pending=track.pending,
+            stale_flag=track.stale_flag,
+            last_signals=track.last_signals,
+        )
 
         # Context for the operator (not conditions): the GPU stack's own markers and
         # whether MOFED holds its lock.
-        evidence["gpu_validations"] = list(snap.validations)
-        evidence["mofed_lock_present"] = snap.mofed_lock.present
+        evidence["gpu_validations"] = list(snap.listing(self.paths.validations))
+        evidence["mofed_lock_present"] = snap.file(self.mofed.lock).present
 
         # 1. nvidia
         nvidia = snap.module(NVIDIA)
-        evidence["nvidia"] = _module_evidence(nvidia)
+        evidence["nvidia"] = module_evidence(nvidia)
         if nvidia is None:
             fail("nvidia_live", "nvidia is not loaded")
         elif not nvidia.live:
@@ -313,7 +279,6 @@ class PeermemGate:
 
         # 2, 3. the MOFED container's own markers
         if pol.mofed == "container":
-            ready = snap.mofed_ready
             evidence["mofed_ready_flag"] = {
                 "path": ready.path,
                 "present": ready.present,
@@ -331,7 +296,7 @@ class PeermemGate:
                     f"MOFED ready flag {ready.path} is stale: it predates the last MOFED restart "
                     "the agent saw",
                 )
-            bl = snap.mofed_blacklist
+            bl = snap.file(self.mofed.blacklist)
             evidence["mofed_blacklist"] = {"path": bl.path, "present": bl.present}
             if bl.present:
                 fail("mofed_not_restarting", f"MOFED is restarting openibd ({bl.path} exists)")
@@ -341,7 +306,7 @@ class PeermemGate:
         for name in pol.rdma_stack:
             loaded = snap.module(name)
             disk = snap.disk_module(name)
-            stack_ev[name] = {**_module_evidence(loaded), "disk": _disk_evidence(disk)}
+            stack_ev[name] = {**module_evidence(loaded), "disk": disk_evidence(disk)}
             if loaded is None:
                 fail("rdma_stack_live", f"{name} is not loaded")
                 continue
@@ -371,6 +336,7 @@ class PeermemGate:
         verdict = Verdict(
             guard=self.name,
             verdict="closed" if reasons else "open",
+            ok=not reasons,
             reasons=tuple(reasons),
             evidence=evidence,
         )
@@ -378,8 +344,8 @@ class PeermemGate:
         actions, wake_at, more_events = self._actions(snap, memory, verdict, signals, restart_began)
         events.extend(more_events)
         evidence["peermem"] = {
-            **_module_evidence(snap.module(PEERMEM)),
-            "disk": _disk_evidence(snap.disk_module(PEERMEM)),
+            **module_evidence(snap.module(PEERMEM)),
+            "disk": disk_evidence(snap.disk_module(PEERMEM)),
             "failures": memory.failures,
             "retry_at": memory.retry_at,
             "last_error": memory.last_error,
@@ -422,7 +388,7 @@ class PeermemGate:
                 )
             return (), None, events
 
-        if not verdict.is_open or peermem is not None:
+        if not verdict.ok or peermem is not None:
             return (), None, events
         if memory.retry_at is not None and snap.now < memory.retry_at:
             return (), memory.retry_at, events
@@ -443,6 +409,9 @@ class PeermemGate:
         )
         return (load,), None, events
 
+    def on_stop(self, memory: PeermemMemory) -> tuple[()]:
+        return ()  # nvidia_peermem stays as it is: the next agent judges it afresh
+
     def absorb(self, memory: PeermemMemory, outcome: ActionOutcome, now: float) -> PeermemMemory:
         if not outcome.performed or not isinstance(outcome.action, LoadModuleFile):
             return memory
@@ -454,31 +423,3 @@ class PeermemGate:
         if outcome.kernel_messages:
             error += " — kernel: " + " | ".join(outcome.kernel_messages[-4:])
         return replace(memory, failures=failures, retry_at=now + delay, last_error=error)
-
-
-def _module_evidence(mod: LoadedModule | None) -> dict[str, Any]:
-    if mod is None:
-        return {"loaded": False}
-    ev: dict[str, Any] = {
-        "loaded": True,
-        "initstate": mod.initstate,
-        "refcnt": mod.refcnt,
-        "srcversion": mod.srcversion,
-        "build_id": mod.build_id,
-    }
-    if mod.holders:
-        ev["holders"] = list(mod.holders)
-    if mod.problems:
-        ev["problems"] = list(mod.problems)
-    return ev
-
-
-def _disk_evidence(disk: DiskModule) -> dict[str, Any]:
-    ev: dict[str, Any] = {
-        "path": disk.path,
-        "srcversion": disk.srcversion,
-        "build_id": disk.build_id,
-    }
-    if disk.problem:
-        ev["problem"] = disk.problem
-    return ev

@@ -1,8 +1,8 @@
 """Run every guard over one snapshot; feed action outcomes back to their guards.
 
 Pure, like the guards: the agent loop (nodeagent.agent) supplies snapshots and
-carries out the actions. Adding a guard means adding it to the list given to
-``Reconciler``; nothing here knows what a guard is about.
+carries out each guard's plan. The guards come from the one list in
+``core/registry.py``; nothing here knows what a guard is about.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nodeagent.core.actions import Action, ActionOutcome
+from nodeagent.core.actions import Action, ActionOutcome, Plan
 from nodeagent.core.guard import Guard, Verdict
+from nodeagent.core.needs import Needs
 from nodeagent.core.snapshot import NodeSnapshot
 
 AgentMemory = Mapping[str, Any]  # guard name -> that guard's memory value
@@ -21,10 +22,14 @@ AgentMemory = Mapping[str, Any]  # guard name -> that guard's memory value
 @dataclass(frozen=True)
 class Reconciliation:
     verdicts: Mapping[str, Verdict]
-    actions: tuple[Action, ...]
+    plans: Mapping[str, Plan]  # guards with something to do this pass, in guard order
     memory: AgentMemory
     events: tuple[tuple[str, str], ...]  # (guard, event)
     wake_at: float | None
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return tuple(a for plan in self.plans.values() for a in plan.steps)
 
 
 class Reconciler:
@@ -34,12 +39,20 @@ class Reconciler:
             raise ValueError(f"duplicate guard names: {names}")
         self.guards = {g.name: g for g in guards}
 
+    @property
+    def gates(self) -> tuple[str, ...]:
+        """The guards that publish a gate file."""
+        return tuple(name for name, g in self.guards.items() if g.gate)
+
+    def needs(self) -> Needs:
+        return Needs.union(g.needs() for g in self.guards.values())
+
     def initial_memory(self) -> AgentMemory:
         return {name: g.initial_memory() for name, g in self.guards.items()}
 
     def decide(self, snap: NodeSnapshot, memory: AgentMemory) -> Reconciliation:
         verdicts: dict[str, Verdict] = {}
-        actions: list[Action] = []
+        plans: dict[str, Plan] = {}
         new_memory: dict[str, Any] = {}
         events: list[tuple[str, str]] = []
         wake: list[float] = []
@@ -49,14 +62,15 @@ class Reconciler:
                 mem = guard.initial_memory()
             d = guard.decide(snap, mem)
             verdicts[name] = d.verdict
-            actions.extend(d.actions)
+            if d.actions:
+                plans[name] = d.plan
             new_memory[name] = d.memory
             events.extend((name, e) for e in d.events)
             if d.wake_at is not None:
                 wake.append(d.wake_at)
         return Reconciliation(
             verdicts=verdicts,
-            actions=tuple(actions),
+            plans=plans,
             memory=new_memory,
             events=tuple(events),
             wake_at=min(wake) if wake else None,
@@ -71,6 +85,14 @@ class Reconciler:
             if guard is not None:
                 out[guard.name] = guard.absorb(out[guard.name], outcome, now)
         return out
+
+    def on_stop(self, memory: AgentMemory) -> dict[str, Plan]:
+        plans = {}
+        for name, guard in self.guards.items():
+            steps = guard.on_stop(memory.get(name, guard.initial_memory()))
+            if steps:
+                plans[name] = Plan(name, steps)
+        return plans
 
     def memory_to_json(self, memory: AgentMemory) -> dict[str, Any]:
         return {name: g.memory_to_json(memory[name]) for name, g in self.guards.items()}

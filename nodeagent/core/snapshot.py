@@ -1,7 +1,8 @@
 """One immutable observation of the node: what every guard decides over.
 
-Built by ``nodeagent.host.observe``; guards only read it. Anything the host
-layer could not read cleanly is kept as a ``problem`` string on the fact it
+Built by ``nodeagent.host.observe`` from the union of what the guards declare
+they need (``core/needs.py``); guards only read it. Anything the host layer
+could not read cleanly is kept as a ``problem`` string on the fact it
 concerns, so a guard can close with a reason instead of the agent crashing.
 """
 
@@ -30,6 +31,13 @@ class LoadedModule:
     @property
     def live(self) -> bool:
         return self.initstate == "live"
+
+    @property
+    def outside_refs(self) -> int:
+        """References that are not module holders: a mount, a device, a handle (0 if unknown)."""
+        if self.refcnt is None:
+            return 0
+        return max(0, self.refcnt - len(self.holders))
 
 
 @dataclass(frozen=True)
@@ -63,21 +71,53 @@ class FileFact:
     present: bool
     ident: FileId | None = None
     problem: str | None = None
+    device: tuple[int, int] | None = None  # (major, minor) of its filesystem, to match proc/locks
+
+
+@dataclass(frozen=True)
+class FileLock:
+    """One line of /proc/locks: who holds which lock on which file (device, inode)."""
+
+    kind: str  # FLOCK, POSIX, OFDLCK, LEASE ...
+    access: str  # READ or WRITE
+    pid: int
+    device: tuple[int, int]
+    inode: int
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One mount of /proc/1/mountinfo (the host's mount namespace)."""
+
+    mount_point: str
+    source: str
+    fstype: str
+    options: tuple[str, ...]  # mount options then superblock options (e.g. proto=rdma)
+
+
+@dataclass(frozen=True)
+class NvmeController:
+    """An NVMe controller under /sys/class/nvme (local PCIe or NVMe-oF)."""
+
+    name: str  # nvme0
+    transport: str  # pcie, rdma, tcp, fc, loop
+    subsysnqn: str
+    address: str = ""
+    problem: str | None = None
 
 
 @dataclass(frozen=True)
 class NodeSnapshot:
     now: float  # seconds; wall clock of the observation (guards never read a clock)
     kernel: str
-    modules: Mapping[str, LoadedModule]
-    mofed_ready: FileFact
-    mofed_blacklist: FileFact
-    mofed_lock: FileFact
-    validations: tuple[str, ...]  # names of files under run/nvidia/validations
-    # The .ko files the guards compare against: the RDMA stack (from the MOFED
-    # driver root, then lib/modules), nvidia_peermem (from the GPU driver root)
-    # and the modules nvidia_peermem depends on.
-    disk: Mapping[str, DiskModule]
+    modules: Mapping[str, LoadedModule]  # only the modules some guard declared (and chains)
+    disk: Mapping[str, DiskModule]  # the .ko files guards compare against, by module name
+    files: Mapping[str, FileFact] = field(default_factory=lambda: EMPTY)  # by path
+    listings: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)  # dir -> names
+    locks: tuple[FileLock, ...] = ()
+    mounts: tuple[Mount, ...] = ()
+    nvme: tuple[NvmeController, ...] = ()
+    sriov: tuple[Any, ...] = ()  # SR-IOV PFs read through netlink (the VF guard's type)
     problems: tuple[str, ...] = ()  # node-wide read problems (e.g. /sys/module unreadable)
 
     def module(self, name: str) -> LoadedModule | None:
@@ -85,3 +125,9 @@ class NodeSnapshot:
 
     def disk_module(self, name: str) -> DiskModule:
         return self.disk.get(name) or DiskModule(name=name, path=None, problem="not looked up")
+
+    def file(self, path: str) -> FileFact:
+        return self.files.get(path) or FileFact(path=path, present=False, problem="not observed")
+
+    def listing(self, path: str) -> tuple[str, ...]:
+        return self.listings.get(path, ())

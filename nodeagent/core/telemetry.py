@@ -7,8 +7,9 @@ brings its own series by declaring them here, next to its decision code:
 - ``verdict_words``: every verdict word the guard can return, in order (the
   states of ``nodeagent_guard_state{guard,state}``); default ``open, closed``.
 - ``metric_families``: extra families (name, kind, help, label names).
-- ``metric_samples(verdict, actions)``: the values for one pass, from the
-  verdict it just returned and its actions of that pass with their timings.
+- ``metric_samples(verdict, outcomes)``: the values for one pass, from the
+  verdict it just returned and the outcomes of its actions in that pass
+  (``ActionOutcome.seconds``: how long each took, when performed).
   Gauge families are replaced every pass (a series not sampled disappears);
   counter samples add, histogram samples are observations.
 
@@ -69,14 +70,6 @@ class Sample:
     value: float = 1.0
 
 
-@dataclass(frozen=True)
-class TimedAction:
-    """An action's outcome and how long it took (None when it was not performed)."""
-
-    outcome: ActionOutcome
-    seconds: float | None
-
-
 class GuardTelemetry(Protocol):
     """The optional part of a guard the exporters read (all members optional)."""
 
@@ -85,7 +78,7 @@ class GuardTelemetry(Protocol):
     metric_families: tuple[MetricFamily, ...]
 
     def metric_samples(
-        self, verdict: Verdict, actions: Sequence[TimedAction]
+        self, verdict: Verdict, outcomes: Sequence[ActionOutcome]
     ) -> Iterable[Sample]: ...
 
 
@@ -94,14 +87,13 @@ def verdict_words(guard: Any) -> tuple[str, ...]:
 
 
 def verdict_ok(verdict: Verdict) -> bool:
-    ok = getattr(verdict, "ok", None)
-    return bool(verdict.is_open if ok is None else ok)
+    return bool(verdict.ok)
 
 
 def guard_families(guard: Any) -> tuple[MetricFamily, ...]:
     return tuple(getattr(guard, "metric_families", ()))
 
 
-def guard_samples(guard: Any, verdict: Verdict, actions: Sequence[TimedAction]) -> list[Sample]:
+def guard_samples(guard: Any, verdict: Verdict, outcomes: Sequence[ActionOutcome]) -> list[Sample]:
     sampler = getattr(guard, "metric_samples", None)
-    return [] if sampler is None else list(sampler(verdict, actions))
+    return [] if sampler is None else list(sampler(verdict, outcomes))

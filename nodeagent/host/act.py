@@ -1,4 +1,12 @@
-"""Carry out guard actions on the node. The only place a module is loaded or removed.
+"""Carry out guard plans on the node. The only place a module is loaded or a file written.
+
+Each action type has one handler, found in one table built from ``EXECUTORS``
+(modules: libkmod/insmod; files: atomic writes under the host root; a new kind
+of action — e.g. netlink VF configuration — is one more executor there). A
+guard's plan runs with its strategy: ``sequence`` stops at the first failure
+and reports it; ``parallel`` runs up to ``bound`` steps at once. Plans of
+different guards run side by side, so one guard's slow or retried plan never
+delays another guard's actions.
 
 Transient errors (EAGAIN, EINTR, and EBUSY on removal while a reference is
 being dropped) are retried a few times within the action, with tenacity;
@@ -9,8 +17,13 @@ again on a later pass, so a bad module is never retried in a tight loop.
 from __future__ import annotations
 
 import errno
+import functools
 import os
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from tenacity import (
     Retrying,
@@ -19,13 +32,48 @@ from tenacity import (
     wait_exponential,
 )
 
-from nodeagent.core.actions import Action, ActionOutcome, LoadModuleFile, UnloadModule
+from nodeagent.core.actions import (
+    Action,
+    ActionOutcome,
+    LoadModule,
+    LoadModuleFile,
+    Plan,
+    RemoveFile,
+    UnloadModule,
+    WriteFile,
+)
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
 
 KernelLog = Callable[[str], list[str]]
+Handler = Callable[[Any], None]  # performs one action; raises StepFailed, OSError, NodeagentError
 _TRANSIENT = {errno.EAGAIN, errno.EINTR}
+
+
+class StepFailed(Exception):
+    """An action the node refused, with what the guard needs to know about it."""
+
+    def __init__(self, error: str, err: int | None = None, messages: tuple[str, ...] = ()) -> None:
+        super().__init__(error)
+        self.error = error
+        self.errno = err
+        self.kernel_messages = messages
+
+
+@dataclass(frozen=True)
+class NodeHands:
+    """What executors act through."""
+
+    host: HostRoot
+    ops: ModuleOps
+    kernel_log: KernelLog
+    attempts: int = 3
+    first_wait_s: float = 0.05
+
+
+class Executor(Protocol):
+    def handlers(self) -> Mapping[type, Handler]: ...
 
 
 def _transient(op: str) -> Callable[[BaseException], bool]:
@@ -37,6 +85,80 @@ def _transient(op: str) -> Callable[[BaseException], bool]:
     return check
 
 
+class ModuleExecutor:
+    """Module loads and removals, through ``ModuleOps`` (libkmod, or the simulator)."""
+
+    def __init__(self, hands: NodeHands) -> None:
+        self.hands = hands
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {
+            LoadModuleFile: self.load_file,
+            LoadModule: self.load,
+            UnloadModule: self.unload,
+        }
+
+    def _retrying(self, op: str) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception(_transient(op)),
+            stop=stop_after_attempt(self.hands.attempts),
+            wait=wait_exponential(multiplier=self.hands.first_wait_s, max=1.0),
+            reraise=True,
+        )
+
+    def _run(self, op: str, module: str, call: Callable[[], None], log_kernel: bool) -> None:
+        try:
+            for attempt in self._retrying(op):
+                with attempt:
+                    call()
+        except ModuleOpError as exc:
+            messages = tuple(self.hands.kernel_log(module)) if log_kernel else ()
+            raise StepFailed(str(exc), exc.errno, messages) from None
+
+    def load_file(self, action: LoadModuleFile) -> None:
+        path = str(self.hands.host.path(action.path))
+        self._run(
+            "load", action.module, lambda: self.hands.ops.insert_file(path, action.params), True
+        )
+
+    def load(self, action: LoadModule) -> None:
+        """From the first tree whose modules.dep lists the module (ENOENT: try the next)."""
+        kernel = self.hands.host.read_text("proc/sys/kernel/osrelease", 256).strip()
+        for i, tree in enumerate(action.trees):
+            rel = f"{tree}/lib/modules/{kernel}" if tree else f"lib/modules/{kernel}"
+            moddir = str(self.hands.host.path(rel))
+            try:
+                probe = functools.partial(self.hands.ops.probe, action.module, moddir)
+                self._run("load", action.module, probe, True)
+                return
+            except StepFailed as exc:
+                if exc.errno != errno.ENOENT or i == len(action.trees) - 1:
+                    raise
+
+    def unload(self, action: UnloadModule) -> None:
+        self._run("unload", action.module, lambda: self.hands.ops.remove(action.module), False)
+
+
+class FileExecutor:
+    """Files under the host root: atomic writes and removals, never through a symlink."""
+
+    def __init__(self, hands: NodeHands) -> None:
+        self.host = hands.host
+
+    def handlers(self) -> Mapping[type, Handler]:
+        return {WriteFile: self.write, RemoveFile: self.remove}
+
+    def write(self, action: WriteFile) -> None:
+        self.host.write_atomic(action.path, action.content.encode())
+
+    def remove(self, action: RemoveFile) -> None:
+        self.host.remove(action.path)
+
+
+# The executors; a new kind of action is one more entry here.
+EXECUTORS: tuple[Callable[[NodeHands], Executor], ...] = (ModuleExecutor, FileExecutor)
+
+
 class Actuator:
     def __init__(
         self,
@@ -45,48 +167,92 @@ class Actuator:
         kernel_log: KernelLog,
         attempts: int = 3,
         first_wait_s: float = 0.05,
+        executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        self.host = host
-        self.ops = ops
-        self.kernel_log = kernel_log
-        self.attempts = attempts
-        self.first_wait_s = first_wait_s
-
-    def _retrying(self, op: str) -> Retrying:
-        return Retrying(
-            retry=retry_if_exception(_transient(op)),
-            stop=stop_after_attempt(self.attempts),
-            wait=wait_exponential(multiplier=self.first_wait_s, max=1.0),
-            reraise=True,
-        )
+        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s)
+        self.clock = clock
+        self.table: dict[type, Handler] = {}
+        for make in executors:
+            for kind, handler in make(hands).handlers().items():
+                if kind in self.table:
+                    raise ValueError(f"two executors handle {kind.__name__}")
+                self.table[kind] = handler
+        self._strategies: dict[str, Callable[[Plan], list[ActionOutcome]]] = {
+            "sequence": self._sequence,
+            "parallel": self._parallel,
+        }
 
     def perform(self, action: Action) -> ActionOutcome:
+        """Run one action; its outcome is stamped with when it ended and how long it took."""
+        began = self.clock()
+        outcome = self._perform(action)
+        done = self.clock()
+        return replace(outcome, finished_at=done, seconds=max(0.0, done - began))
+
+    def _perform(self, action: Action) -> ActionOutcome:
+        handler = self.table.get(type(action))
+        if handler is None:
+            return ActionOutcome(
+                action=action, ok=False, error=f"{action.describe()}: no executor for this action"
+            )
         try:
-            if isinstance(action, LoadModuleFile):
-                path = str(self.host.path(action.path))
-                for attempt in self._retrying("load"):
-                    with attempt:
-                        self.ops.insert_file(path, action.params)
-            elif isinstance(action, UnloadModule):
-                for attempt in self._retrying("unload"):
-                    with attempt:
-                        self.ops.remove(action.module)
-            else:  # pragma: no cover - the Action union is closed
-                raise TypeError(f"unknown action {action!r}")
-        except (NodeagentError, OSError) as exc:  # a path or name refused before any syscall
-            return ActionOutcome(action=action, ok=False, error=f"{action.describe()}: {exc}")
-        except ModuleOpError as exc:
-            messages: tuple[str, ...] = ()
-            if isinstance(action, LoadModuleFile):
-                messages = tuple(self.kernel_log(action.module))
+            handler(action)
+        except StepFailed as exc:
             return ActionOutcome(
                 action=action,
                 ok=False,
                 errno=exc.errno,
-                error=str(exc),
-                kernel_messages=messages,
+                error=exc.error,
+                kernel_messages=exc.kernel_messages,
+            )
+        except (NodeagentError, OSError) as exc:  # a path or name refused, a write failed
+            err = exc.errno if isinstance(exc, OSError) else None
+            return ActionOutcome(
+                action=action, ok=False, errno=err, error=f"{action.describe()}: {exc}"
             )
         return ActionOutcome(action=action, ok=True)
+
+    def run_plan(self, plan: Plan) -> list[ActionOutcome]:
+        return self._strategies[plan.strategy](plan)
+
+    def _sequence(self, plan: Plan) -> list[ActionOutcome]:
+        """In order; stop at the first failure (later steps depend on earlier ones)."""
+        out: list[ActionOutcome] = []
+        for step in plan.steps:
+            outcome = self.perform(step)
+            out.append(outcome)
+            if not outcome.ok:
+                break
+        return out
+
+    def _parallel(self, plan: Plan) -> list[ActionOutcome]:
+        """Every step, at most ``bound`` at once; outcomes in step order."""
+        if len(plan.steps) <= 1 or plan.bound <= 1:
+            return [self.perform(s) for s in plan.steps]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan") as pool:
+            return list(pool.map(self.perform, plan.steps))
+
+    def run_plans(self, plans: Mapping[str, Plan]) -> dict[str, list[ActionOutcome]]:
+        """Each guard's plan side by side (one thread per guard when there are several)."""
+        if len(plans) <= 1:
+            return {g: self.run_plan(p) for g, p in plans.items()}
+        results: dict[str, list[ActionOutcome]] = {}
+
+        def run(guard: str, plan: Plan) -> None:
+            results[guard] = self.run_plan(plan)
+
+        threads = [
+            threading.Thread(target=run, args=(g, p), name=f"plan-{g}", daemon=True)
+            for g, p in plans.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return {g: results[g] for g in plans}
 
 
 def kmsg_reader(path: str = "/dev/kmsg", keep: int = 8) -> KernelLog:

@@ -73,7 +73,10 @@ class HostRoot:
         if not stat.S_ISREG(st.st_mode):
             return FileFact(path=rel, present=False, problem="is not a regular file; ignored")
         return FileFact(
-            path=rel, present=True, ident=FileId(st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            path=rel,
+            present=True,
+            ident=FileId(st.st_ino, st.st_mtime_ns, st.st_ctime_ns),
+            device=(os.major(st.st_dev), os.minor(st.st_dev)),
         )
 
     def listdir(self, rel: str) -> list[str]:

@@ -35,10 +35,10 @@ _SUFFIXES = (".ko.xz", ".ko.zst", ".ko.gz", ".ko")
 @dataclass(frozen=True)
 class _Entry:
     relpath: str
-    deps: tuple[str, ...]  # normalized module names, in modules.dep order
+    rest: str  # the line after ':', parsed into names only when asked (module_dependencies)
 
 
-_CacheKey = tuple[str, int, int]
+_CacheKey = tuple[str, int, int, int]  # path, inode, mtime, size: one identity of the file
 _cache: OrderedDict[_CacheKey, dict[str, _Entry]] = OrderedDict()
 _cache_lock = threading.Lock()
 
@@ -52,6 +52,7 @@ def _module_name(path: str) -> str | None:
 
 
 def _parse(text: str) -> dict[str, _Entry]:
+    """Index by module name; dependencies stay text until a caller asks for them."""
     entries: dict[str, _Entry] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -64,8 +65,7 @@ def _parse(text: str) -> dict[str, _Entry]:
         name = _module_name(relpath)
         if name is None or name in entries:
             continue  # first line wins, as in depmod's own output order
-        deps = tuple(d for d in (_module_name(p) for p in rest.split()) if d is not None)
-        entries[name] = _Entry(relpath, deps)
+        entries[name] = _Entry(relpath, rest)
     return entries
 
 
@@ -79,7 +79,7 @@ def _load(moddir: str | os.PathLike[str]) -> dict[str, _Entry] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MODULES_DEP:
             return None
-        key = (os.path.abspath(depfile), st.st_mtime_ns, st.st_size)
+        key = (os.path.abspath(depfile), st.st_ino, st.st_mtime_ns, st.st_size)
         with _cache_lock:
             hit = _cache.get(key)
             if hit is not None:
@@ -149,4 +149,6 @@ def module_dependencies(moddir: str | os.PathLike[str], name: str) -> tuple[str,
     if entries is None:
         return ()
     entry = entries.get(normalize_module_name(name))
-    return entry.deps if entry is not None else ()
+    if entry is None:
+        return ()
+    return tuple(d for d in (_module_name(p) for p in entry.rest.split()) if d is not None)

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-import zstandard
-
 from nodeagent.core.names import normalize_module_name
 from nodeagent.errors import NodeagentError
 
@@ -406,6 +404,17 @@ def _read_limited(stream: _Readable, path: str) -> bytes:
     return b"".join(chunks)
 
 
+def _zstd(data: bytes, path: str) -> bytes:
+    import zstandard  # only when a .ko.zst is met: `nodeagent check` imports it lazily
+
+    try:
+        dctx = zstandard.ZstdDecompressor()
+        with dctx.stream_reader(io.BytesIO(data), read_across_frames=True) as zr:
+            return _read_limited(zr, path)
+    except zstandard.ZstdError as exc:
+        raise ModuleFileError(_one_line(f"{path}: cannot decompress: {exc}")) from exc
+
+
 def decompress_module(data: bytes, path: str) -> bytes:
     """Return the ELF image inside ``data`` (xz, zstd, gzip or already plain)."""
     try:
@@ -413,15 +422,13 @@ def decompress_module(data: bytes, path: str) -> bytes:
             with lzma.LZMAFile(io.BytesIO(data)) as xzf:
                 return _read_limited(xzf, path)
         if data.startswith(_ZSTD_MAGIC):
-            dctx = zstandard.ZstdDecompressor()
-            with dctx.stream_reader(io.BytesIO(data), read_across_frames=True) as zr:
-                return _read_limited(zr, path)
+            return _zstd(data, path)
         if data.startswith(_GZIP_MAGIC):
             with gzip.GzipFile(fileobj=io.BytesIO(data)) as gzf:
                 return _read_limited(gzf, path)
     except ModuleFileError:
         raise
-    except (lzma.LZMAError, zstandard.ZstdError, zlib.error, EOFError, OSError) as exc:
+    except (lzma.LZMAError, zlib.error, EOFError, OSError) as exc:
         raise ModuleFileError(_one_line(f"{path}: cannot decompress: {exc}")) from exc
     for suffix in _COMPRESSED_SUFFIXES:
         if path.endswith(suffix) and not data.startswith(_ELF_MAGIC):

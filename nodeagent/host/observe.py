@@ -1,25 +1,41 @@
-"""Read the whole node into one immutable NodeSnapshot.
+"""Read what the guards declared they need into one immutable NodeSnapshot.
 
-Level-triggered: every pass re-reads everything the guards look at, so a
-missed event costs nothing but one pass. Malformed values never raise: they
-become ``problems`` on the fact they concern, which the guards turn into
-closed reasons. Parsed .ko files are cached by (inode, mtime, size), so a
-pass after the first costs a few hundred small sysfs reads.
+Level-triggered: every pass re-reads everything the guards declared, and
+only that (``Needs``: named /sys/module entries and the storage chain's
+closure, .ko files, marker files, listings, locks, mounts, NVMe controllers,
+SR-IOV PFs), so a pass costs the same on a 50-module node and a 5000-module
+one. Malformed values never raise: they become ``problems`` on the fact they
+concern, which the guards turn into reasons. Parsed .ko files are cached by
+(inode, mtime, size); ``modules.dep`` is indexed once per file identity.
+
+The readers of /proc/locks, mountinfo, NVMe controllers and SR-IOV PFs are
+injectable (``Readers``), as ``ModuleOps`` is for module operations, so the
+simulator and tests plug in the same way for every guard.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 from nodeagent.config import Config
 from nodeagent.core.names import is_module_name, normalize_module_name
-from nodeagent.core.peermem import PEERMEM
-from nodeagent.core.snapshot import DiskModule, LoadedModule, NodeSnapshot
+from nodeagent.core.needs import DiskNeed, Needs
+from nodeagent.core.snapshot import (
+    DiskModule,
+    FileLock,
+    LoadedModule,
+    Mount,
+    NodeSnapshot,
+    NvmeController,
+)
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.moddep import find_module
+from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import (
     ModuleFile,
     ModuleFileError,
@@ -27,19 +43,58 @@ from nodeagent.host.modfile import (
     read_module_file,
 )
 
+# A reader returns its facts and the one-line problems met reading them.
+Reader = Callable[[], tuple[tuple[Any, ...], list[str]]]
+_CHAIN_LIMIT = 512  # modules in one chain closure; a real RDMA storage chain has ~30
+
+
+def no_sriov() -> tuple[tuple[Any, ...], list[str]]:
+    """Until a netlink reader is plugged in: no SR-IOV PFs."""
+    return (), []
+
+
+@dataclass(frozen=True)
+class Readers:
+    """Injectable sources of the facts that are not plain files or /sys/module entries.
+
+    ``None`` means the default reader under the host root (``HostReaders``).
+    """
+
+    locks: Reader | None = None
+    mounts: Reader | None = None
+    nvme: Reader | None = None
+    sriov: Reader = no_sriov
+
+
 INITSTATES = ("live", "coming", "going")
 _SRCVERSION = re.compile(r"[0-9A-Fa-f]{1,64}")
 
 
 class Observer:
-    def __init__(self, host: HostRoot, cfg: Config) -> None:
+    def __init__(
+        self,
+        host: HostRoot,
+        cfg: Config,
+        needs: Needs | None = None,
+        readers: Readers | None = None,
+    ) -> None:
+        """``needs``: the union of the guards' (``Reconciler.needs()``); none by default."""
         self.host = host
         self.cfg = cfg
+        self.needs = needs or Needs()
+        readers = readers or Readers()
+        self.read_locks: Reader = readers.locks or (lambda: read_proc_locks(host, cfg.paths.locks))
+        self.read_mounts: Reader = readers.mounts or (
+            lambda: read_mountinfo(host, cfg.paths.mountinfo)
+        )
+        self.read_nvme: Reader = readers.nvme or (lambda: read_nvme(host, cfg.paths.nvme_class))
+        self.read_sriov: Reader = readers.sriov
         self._ko_cache: dict[tuple[str, int, int, int], ModuleFile | str] = {}
 
     # -- loaded modules -----------------------------------------------------
 
     def read_loaded_modules(self) -> tuple[dict[str, LoadedModule], list[str]]:
+        """Every loaded module (a full /sys/module scan: for tools and tests, not passes)."""
         base = self.cfg.paths.sys_module
         modules: dict[str, LoadedModule] = {}
         try:
@@ -121,18 +176,9 @@ class Observer:
 
     # -- modules on disk ------------------------------------------------------
 
-    def module_dirs(self, name: str, kernel: str) -> list[str]:
-        """Where modprobe would look for ``name``: the owning driver container's root first."""
-        paths = self.cfg.paths
-        host = f"lib/modules/{kernel}"
-        if name.startswith("nvidia"):
-            return [f"{paths.gpu_driver_root}/lib/modules/{kernel}", host]
-        if self.cfg.peermem.mofed == "host":
-            return [host]
-        return [f"{paths.mofed_driver_root}/lib/modules/{kernel}", host]
-
-    def read_disk_module(self, name: str, kernel: str) -> DiskModule:
-        dirs = self.module_dirs(name, kernel)
+    def read_disk_module(self, name: str, kernel: str, trees: Iterable[str]) -> DiskModule:
+        """The file modules.dep names for ``name`` in the first driver tree that lists it."""
+        dirs = [tree_moddir(t, kernel) for t in trees]
         for rel_dir in dirs:
             found = find_module(self.host.path(rel_dir), name)
             if found is None:
@@ -179,28 +225,104 @@ class Observer:
         return kernel, []
 
     def observe(self, now: float) -> NodeSnapshot:
-        paths = self.cfg.paths
+        needs = self.needs
         kernel, problems = self.read_kernel()
-        modules, mod_problems = self.read_loaded_modules()
-        problems.extend(mod_problems)
-        disk: dict[str, DiskModule] = {}
-        wanted = [*self.cfg.peermem.rdma_stack, PEERMEM]
-        for name in wanted:
-            disk[name] = self.read_disk_module(name, kernel)
-        for dep in disk[PEERMEM].depends:  # normalized by the .ko reader
-            if dep not in disk:
-                disk[dep] = self.read_disk_module(dep, kernel)
+        disk = self._read_disk(needs.disk, kernel)
+        wanted = set(needs.modules)
+        for d in needs.disk:
+            if d.follow_depends:
+                wanted.update(disk[d.name].depends)
+        modules = self._read_modules(wanted, problems)
+        if needs.chains:
+            self._read_chains(needs.chains, needs.chain_trees, kernel, modules, problems)
+        locks = self._run(self.read_locks, problems) if needs.locks else ()
+        mounts = self._run(self.read_mounts, problems) if needs.mounts else ()
+        nvme = self._run(self.read_nvme, problems) if needs.nvme else ()
+        sriov = self._run(self.read_sriov, problems) if needs.sriov else ()
         return NodeSnapshot(
             now=now,
             kernel=kernel,
-            modules=MappingProxyType(modules),
-            mofed_ready=self.host.file_fact(paths.mofed_ready),
-            mofed_blacklist=self.host.file_fact(paths.mofed_blacklist),
-            mofed_lock=self.host.file_fact(paths.mofed_lock),
-            validations=tuple(self.host.listdir(paths.validations)),
+            modules=MappingProxyType(dict(sorted(modules.items()))),
             disk=MappingProxyType(disk),
+            files=MappingProxyType({f: self.host.file_fact(f) for f in sorted(needs.files)}),
+            listings=MappingProxyType(
+                {d: tuple(self.host.listdir(d)) for d in sorted(needs.listings)}
+            ),
+            locks=locks,
+            mounts=mounts,
+            nvme=nvme,
+            sriov=sriov,
             problems=tuple(problems),
         )
+
+    @staticmethod
+    def _run(reader: Reader, problems: list[str]) -> tuple[Any, ...]:
+        facts, found = reader()
+        problems.extend(found)
+        return facts
+
+    def _read_disk(self, wanted: tuple[DiskNeed, ...], kernel: str) -> dict[str, DiskModule]:
+        trees = {d.name: d.trees for d in wanted}
+        disk: dict[str, DiskModule] = {}
+        for d in wanted:
+            disk[d.name] = self.read_disk_module(d.name, kernel, d.trees)
+        for d in wanted:
+            if not d.follow_depends:
+                continue
+            for dep in disk[d.name].depends:  # normalized by the .ko reader
+                if dep not in disk:
+                    disk[dep] = self.read_disk_module(dep, kernel, trees.get(dep, d.trees))
+        return disk
+
+    def _read_modules(self, names: Iterable[str], problems: list[str]) -> dict[str, LoadedModule]:
+        base = self.cfg.paths.sys_module
+        if not os.path.isdir(self.host.path(base)):
+            problems.append(f"{base} does not exist: this kernel has no loadable modules")
+            return {}
+        modules: dict[str, LoadedModule] = {}
+        for name in sorted(names):
+            mod = self.read_loaded_module(name)
+            if mod is not None:
+                modules[mod.name] = mod
+        return modules
+
+    def _read_chains(
+        self,
+        roots: Iterable[str],
+        trees: tuple[str, ...],
+        kernel: str,
+        modules: dict[str, LoadedModule],
+        problems: list[str],
+    ) -> None:
+        """Add what removing ``roots`` involves: the loaded roots, the modules holding
+        them (transitively), and every module those depend on per modules.dep (with
+        its holders' names, to tell whether it would still be needed)."""
+        dirs = [self.host.path(tree_moddir(t, kernel)) for t in trees]
+        tried: set[str] = set()
+
+        def read(name: str) -> LoadedModule | None:
+            if name not in modules and name not in tried:
+                tried.add(name)
+                mod = self.read_loaded_module(name)
+                if mod is not None:
+                    modules[mod.name] = mod
+            return modules.get(name)
+
+        up: set[str] = set()
+        todo = sorted(roots)
+        while todo and len(up) < _CHAIN_LIMIT:
+            name = todo.pop()
+            mod = read(name) if name not in up else None
+            if mod is None:
+                continue
+            up.add(name)
+            todo.extend(h for h in mod.holders if h not in up)
+        if todo:
+            problems.append(f"module chain larger than {_CHAIN_LIMIT} modules; truncated")
+        for name in sorted(up):
+            for d in dirs:
+                for dep in module_dependencies(d, name):
+                    read(dep)
 
 
 def disk_module(parsed: ModuleFile, rel: str | None = None, name: str | None = None) -> DiskModule:
@@ -214,3 +336,132 @@ def disk_module(parsed: ModuleFile, rel: str | None = None, name: str | None = N
         required_crcs=MappingProxyType(dict(parsed.required_crcs)),
         exported_crcs=MappingProxyType(dict(parsed.exported_crcs)),
     )
+
+
+def tree_moddir(tree: str, kernel: str) -> str:
+    """``lib/modules/<kernel>`` under a driver root ("" is the host's own)."""
+    return f"{tree}/lib/modules/{kernel}" if tree else f"lib/modules/{kernel}"
+
+
+# -- the default readers --------------------------------------------------------
+
+_MAX_PROC_TEXT = 4 << 20
+
+
+def _read_proc(host: HostRoot, rel: str) -> tuple[str | None, list[str]]:
+    try:
+        return host.read_text(rel, _MAX_PROC_TEXT), []
+    except FileNotFoundError:
+        return None, [f"{rel} does not exist"]
+    except OSError as exc:
+        return None, [f"{rel} is unreadable: {exc.strerror}"]
+
+
+def _read_parsed(
+    host: HostRoot, rel: str, parse: Callable[[str], tuple[tuple[Any, ...], int]]
+) -> tuple[tuple[Any, ...], list[str]]:
+    text, problems = _read_proc(host, rel)
+    if text is None:
+        return (), problems
+    facts, bad = parse(text)
+    if bad:
+        problems.append(f"{rel}: {bad} malformed line(s) ignored")
+    return facts, problems
+
+
+def read_proc_locks(host: HostRoot, rel: str) -> tuple[tuple[Any, ...], list[str]]:
+    return _read_parsed(host, rel, parse_proc_locks)
+
+
+def read_mountinfo(host: HostRoot, rel: str) -> tuple[tuple[Any, ...], list[str]]:
+    return _read_parsed(host, rel, parse_mountinfo)
+
+
+def parse_proc_locks(text: str) -> tuple[tuple[FileLock, ...], int]:
+    """Held locks of /proc/locks (waiters, ``->``, are not holders) and the malformed count.
+
+    ``1: FLOCK  ADVISORY  WRITE 1234 00:19:5678 0 EOF``: the device is
+    ``major:minor`` in hex, the inode in decimal.
+    """
+    out: list[FileLock] = []
+    bad = 0
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) > 1 and fields[1] == "->":
+            continue
+        try:
+            kind, _, access, pid, where = fields[1:6]
+            major, minor, inode = where.split(":")
+            out.append(
+                FileLock(
+                    kind=kind,
+                    access=access,
+                    pid=int(pid),
+                    device=(int(major, 16), int(minor, 16)),
+                    inode=int(inode),
+                )
+            )
+        except ValueError:
+            bad += 1
+    return tuple(out), bad
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> tuple[tuple[Mount, ...], int]:
+    """``36 35 98:0 /root /mnt opts [optional...] - fstype source superopts``."""
+    out: list[Mount] = []
+    bad = 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        left, sep, right = line.partition(" - ")
+        lf, rf = left.split(), right.split()
+        if not sep or len(lf) < 6 or len(rf) < 2:
+            bad += 1
+            continue
+        superopts = rf[2].split(",") if len(rf) > 2 else []
+        out.append(
+            Mount(
+                mount_point=_unescape(lf[4]),
+                source=_unescape(rf[1]),
+                fstype=rf[0],
+                options=(*lf[5].split(","), *superopts),
+            )
+        )
+    return tuple(out), bad
+
+
+def read_nvme(host: HostRoot, rel: str) -> tuple[tuple[NvmeController, ...], list[str]]:
+    """Controllers under /sys/class/nvme: transport, subsystem NQN, address."""
+    out: list[NvmeController] = []
+    for name in host.listdir(rel):
+        if not re.fullmatch(r"nvme\d{1,5}", name):
+            continue
+        values: dict[str, str] = {}
+        problem = None
+        for attr in ("transport", "subsysnqn", "address"):
+            try:
+                values[attr] = host.read_text(f"{rel}/{name}/{attr}", 4096).strip()
+            except FileNotFoundError:
+                values[attr] = ""
+            except OSError as exc:
+                values[attr] = ""
+                problem = f"{attr} unreadable: {exc.strerror}"
+        out.append(
+            NvmeController(
+                name=name,
+                transport=values["transport"] or "unknown",
+                subsysnqn=values["subsysnqn"],
+                address=values["address"],
+                problem=problem,
+            )
+        )
+    return tuple(out), []

@@ -24,7 +24,7 @@ import pytest
 
 from nodeagent.config import Config
 from nodeagent.core.actions import LoadModuleFile
-from nodeagent.core.peermem import abi_mismatches
+from nodeagent.core.identity import abi_mismatches
 from nodeagent.core.snapshot import LoadedModule
 from nodeagent.host.act import Actuator, kmsg_reader
 from nodeagent.host.fs import HostRoot

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from nodeagent.config import Config
+from nodeagent.core.identity import identity_mismatch
 from nodeagent.core.modgraph import removal_order
-from nodeagent.core.peermem import PeermemPolicy, identity_mismatch
+from nodeagent.core.needs import HOST_TREE
+from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.core.snapshot import LoadedModule
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModuleOpError
@@ -47,7 +49,7 @@ NA_IDENT = {g: KModule("na_ident", {"na_ident.c": _ident_src(g, True)}) for g in
 # No MODULE_VERSION: no srcversion, like Debian's in-tree modules.
 NA_NOVER = {g: KModule("na_nover", {"na_nover.c": _ident_src(g, False)}) for g in (1, 2)}
 
-OBSERVER = Observer(HostRoot("/"), Config(peermem=PeermemPolicy(mofed="host")))
+OBSERVER = Observer(HostRoot("/"), Config(policies={"peermem": PeermemPolicy(mofed="host")}))
 
 
 def _loaded(name: str) -> LoadedModule:
@@ -82,11 +84,14 @@ def test_in_tree_modules_are_identified_by_build_id() -> None:
             assert loaded.build_id == parse_build_id_note(raw, name) == raw[16:36].hex()
             assert loaded.build_id == mf.build_id
             # The Observer's own disk lookup (lib/modules/<kver>/modules.dep) agrees.
-            disk = OBSERVER.read_disk_module(name, kver)
+            disk = OBSERVER.read_disk_module(name, kver, (HOST_TREE,))
             assert disk.problem is None and disk.build_id == mf.build_id
             assert identity_mismatch(loaded, disk) is None
         # Another module's file is told apart, by build-id, naming both.
-        ib_core, mlx5 = _loaded("ib_core"), OBSERVER.read_disk_module("mlx5_core", kver)
+        ib_core, mlx5 = (
+            _loaded("ib_core"),
+            OBSERVER.read_disk_module("mlx5_core", kver, (HOST_TREE,)),
+        )
         reason = identity_mismatch(ib_core, mlx5)
         assert reason is not None
         assert f"build-id {ib_core.build_id}" in reason and f"build-id {mlx5.build_id}" in reason

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.agent import build_reconciler
 from nodeagent.config import Config
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
@@ -84,7 +85,8 @@ def test_load_writes_the_sysfs_layout_the_agent_reads(kernel: SimKernel) -> None
         4, "little"
     )
     # ... and the agent's own observer reads it back as the same module as on disk.
-    snap = Observer(HostRoot(kernel.root), Config(host_root=str(kernel.root))).observe(0.0)
+    cfg = Config(host_root=str(kernel.root))
+    snap = Observer(HostRoot(kernel.root), cfg, build_reconciler(cfg).needs()).observe(0.0)
     loaded, disk = snap.modules["ib_core"], snap.disk["ib_core"]
     assert loaded.live and loaded.holders == ("ib_uverbs",)
     assert (loaded.srcversion, loaded.build_id) == (disk.srcversion, disk.build_id)
