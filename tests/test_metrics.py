@@ -8,6 +8,7 @@ ready flag appears.
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import subprocess
@@ -370,3 +371,24 @@ def test_every_config_key_is_documented() -> None:
     config_src = (Path(__file__).resolve().parent.parent / "nodeagent" / "config.py").read_text()
     for var in set(re.findall(r"NODEAGENT_[A-Z_]+", config_src)):
         assert f"`{var}`" in docs, f"{var} is not documented"
+
+
+def test_the_actuator_stamps_each_outcome_with_its_timing(tmp_path: Path) -> None:
+    from nodeagent.host.act import Actuator
+    from nodeagent.host.fs import HostRoot
+
+    ticks = iter([10.0, 10.5, 20.0, 20.25])
+
+    class Ops:
+        def remove(self, name: str) -> None:
+            if name == "busy":
+                from nodeagent.host.kmod import ModuleOpError
+
+                raise ModuleOpError("unload", name, errno.EBUSY)
+
+    clock = lambda: next(ticks)  # noqa: E731
+    act = Actuator(HostRoot(tmp_path), Ops(), lambda m: [], attempts=1, clock=clock)  # type: ignore[arg-type]
+    ok = act.perform(UnloadModule(guard="g", module="m", reason="r"))
+    failed = act.perform(UnloadModule(guard="g", module="busy", reason="r"))
+    assert (ok.ok, ok.finished_at, ok.seconds) == (True, 10.5, 0.5)
+    assert (failed.ok, failed.finished_at, failed.seconds) == (False, 20.25, 0.25)
