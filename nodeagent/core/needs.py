@@ -39,6 +39,9 @@ class Needs:
     disk: tuple[DiskNeed, ...] = ()
     files: frozenset[str] = frozenset()  # marker files (presence + identity), watched
     listings: frozenset[str] = frozenset()  # directories whose entry names are read, watched
+    # Small text files whose content is read each pass (procfs: not watched; they change
+    # with a module load, which a uevent reports), e.g. proc/driver/nvidia/version.
+    texts: frozenset[str] = frozenset()
     watch: frozenset[str] = frozenset()  # further directories to watch (e.g. for a hold file)
     locks: bool = False  # /proc/locks
     mounts: bool = False  # /proc/1/mountinfo
@@ -59,6 +62,7 @@ class Needs:
                 chains=out.chains | n.chains,
                 files=out.files | n.files,
                 listings=out.listings | n.listings,
+                texts=out.texts | n.texts,
                 watch=out.watch | n.watch,
                 locks=out.locks or n.locks,
                 mounts=out.mounts or n.mounts,
@@ -72,6 +76,7 @@ class Needs:
             disk=tuple(disk.values()),
             files=out.files,
             listings=out.listings,
+            texts=out.texts,
             watch=out.watch,
             locks=out.locks,
             mounts=out.mounts,

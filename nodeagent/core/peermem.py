@@ -30,6 +30,7 @@ from typing import Any
 
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
+from nodeagent.core.gpudirect import classify
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
 from nodeagent.core.identity import (
     abi_mismatches,
@@ -125,7 +126,8 @@ class PeermemGate:
                 DiskNeed(PEERMEM, (paths.gpu_driver_root, HOST_TREE), follow_depends=True),
             ),
             files=self.mofed.files,
-            listings=frozenset({paths.validations}),
+            listings=frozenset({paths.validations, paths.memory_peers}),
+            texts=frozenset({paths.nvidia_version}),
         )
 
     # -- memory -------------------------------------------------------------
@@ -259,6 +261,18 @@ class PeermemGate:
         )
         evidence["abi"] = abi_ev
         reasons.extend(abi_reasons)
+
+        # Which GPUDirect path the node can take. It only informs (a closed gate says
+        # whether peermem is needed at all); it is never a reason to unload peermem:
+        # applications on a DMA-BUF node may still fall back to it.
+        gpudirect = classify(
+            snap.text(self.paths.nvidia_version),
+            snap.kernel,
+            snap.listing(self.paths.memory_peers),
+        )
+        evidence["gpudirect"] = gpudirect.to_json()
+        if reasons and gpudirect.dmabuf_capable is not None:
+            reasons.append(gpudirect.reason())
 
         verdict = Verdict(
             guard=self.name,
