@@ -15,6 +15,7 @@ anything: a probe is never the way to reload or act.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -365,10 +366,14 @@ class MetricsServer:
             raise NodeagentError(f"metrics address {address}: {exc.strerror or exc}") from None
         self._httpd.exporter = exporter
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="nodeagent-metrics", daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, name="nodeagent-metrics", daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        # SIGTERM/SIGINT belong to the agent's loop (host/events.StopOnSignal); this
+        # thread and the request threads it starts (they inherit the mask) never take them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        self._httpd.serve_forever()
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -8,6 +8,7 @@ and every metric an alert or the dashboard uses must be one the agent exports.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -144,10 +145,11 @@ def test_the_daemonset_asks_for_least_privilege() -> None:
     for needed in ("/sys", "/run/mellanox/drivers", "/run/nvidia", "/etc/modprobe.d"):
         assert needed in hosts
     assert {"/lib/modules", "/run/systemd/journal/socket", *WRITTEN_HOST_PATHS} <= hosts
-    # What the config reads under the host root is mounted there (defaults of [paths]).
+    # Every default [paths] entry is under a mounted host path.
     paths = Config().paths
-    for rel in (paths.osrelease, paths.locks, paths.mountinfo, paths.sys_module):
-        assert any(("/" + rel).startswith(h) for h in hosts), f"{rel} is not mounted"
+    for f in dataclasses.fields(paths):
+        rel = "/" + getattr(paths, f.name)
+        assert any(rel == h or rel.startswith(h + "/") for h in hosts), f"{rel} is not mounted"
 
     env = {e["name"]: e for e in c["env"]}
     assert env["NODEAGENT_HOST_ROOT"]["value"] == "/host"
