@@ -207,6 +207,14 @@ def polling_trials(trials: int, period: float = 5.0) -> list[float]:
         return [s - created for s in seen]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def pass_cost(loaded: int, passes: int = 40) -> tuple[float, float]:
     """p50 and p99 of one whole pass (observe, decide, publish) in observe mode, in ms."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -231,8 +239,9 @@ def idle_usage(seconds: float) -> tuple[float, float, float]:
         root = Path(tmp)
         build_node(root)
         (root / FLAG).parent.mkdir(parents=True, exist_ok=True)
+        metrics = ["--metrics-address", f"127.0.0.1:{free_port()}"]  # served, as deployed
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root)],
+            [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root), *metrics],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             cwd=Path(__file__).resolve().parent.parent,
