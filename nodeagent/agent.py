@@ -9,6 +9,7 @@ example, that the ready flag it sees predates a MOFED restart.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,12 +29,13 @@ from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
+from nodeagent.host.gatefile import GateFiles
 from nodeagent.host.kmod import ModuleOps, default_module_ops
 from nodeagent.host.netlink import PyrouteOps, SriovOps
 from nodeagent.host.observe import Observer, Readers, no_sriov
 from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.host.state import StateStore
-from nodeagent.timeline import Timeline
+from nodeagent.timeline import Timeline, bounded
 
 log = logging.getLogger("nodeagent")
 
@@ -55,7 +57,9 @@ def action_record(o: ActionOutcome) -> dict[str, Any]:
     return {
         "kind": "action",
         "guard": o.action.guard,
+        "module": getattr(o.action, "module", None),
         "action": o.action.describe(),
+        "seconds": None if o.seconds is None else round(o.seconds, 6),
         "reason": o.action.reason,
         "performed": o.performed,
         "ok": o.ok,
@@ -71,6 +75,10 @@ class PassResult:
     verdicts: dict[str, Verdict]
     outcomes: tuple[ActionOutcome, ...]
     wake_at: float | None
+    # For the exporters: what woke this pass and when it began (agent clock); each
+    # performed outcome carries when it finished and how long it took.
+    woken_by: tuple[str, ...] = ()
+    started: float = 0.0
 
 
 class Agent:
@@ -114,8 +122,15 @@ class Agent:
             module_ops or default_module_ops(),
             kernel_log or kmsg_reader(cfg.kmsg),
             sriov_ops=self.sriov_ops,
+            verified_fd=self.observer.verified_fd,  # load the very file the gate checked
+            clock=clock,
         )
-        self.state = StateStore(self.host, cfg.paths.state_dir)
+        self.state = StateStore(self.host, cfg.paths.state_dir, clock)
+        self.gates = GateFiles(self.host, cfg.paths.state_dir)
+        # Bookkeeping failures of the current pass (memory, timeline, status): logged,
+        # reported in status.json, never a reason to skip an action.
+        self._pass_problems: list[str] = []
+        self._can_vouch = True  # False once memory or status could not be written this pass
         self.timeline = Timeline(
             self.host, cfg.paths.timeline_dir, cfg.timeline_max_bytes, cfg.timeline_keep
         )
@@ -135,13 +150,13 @@ class Agent:
     # -- recording ------------------------------------------------------------
 
     def record(self, rec: dict[str, Any]) -> None:
-        rec = {"ts": round(self.clock(), 6), **rec}
+        rec = bounded({"ts": round(self.clock(), 6), **rec})
         if self.on_record is not None:
             self.on_record(rec)
         try:
             self.timeline.append(rec)
-        except OSError as exc:
-            log.error("timeline write failed: %s", exc.strerror)
+        except (OSError, NodeagentError) as exc:
+            self._bookkeeping_failed("timeline write failed", exc, vouch=True)
         log.info(rec.get("kind", "record"), extra={"record": rec})
 
     # -- one pass -------------------------------------------------------------
@@ -150,8 +165,11 @@ class Agent:
         with self.pass_context():
             try:
                 result = self._pass(woken_by)
-            except Exception as exc:
-                if self.on_pass is not None:
+            except BaseException as exc:
+                # Fail closed: a pass that did not complete vouches for no gate.
+                for p in self.gates.withdraw(self.reconciler.gates):
+                    log.error(p)
+                if self.on_pass is not None and isinstance(exc, Exception):
                     self.on_pass(None, exc)
                 raise
             if self.on_pass is not None:
@@ -160,8 +178,14 @@ class Agent:
 
     def _pass(self, woken_by: Sequence[str]) -> PassResult:
         now = self.clock()
+        self._pass_problems, self._can_vouch = [], True
         snap = self.observer.observe(now)
         rec = self.reconciler.decide(snap, self.memory)
+        # Fail closed first: a closed gate's file goes before memory, status, timeline
+        # or any action (gatefile.py has the whole order).
+        self._pass_problems += self.gates.withdraw(
+            g for g in self.reconciler.gates if not rec.verdicts[g].ok
+        )
         memory = rec.memory
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
         # stale") is on disk before any action runs, so dying mid-action loses nothing.
@@ -205,16 +229,28 @@ class Agent:
         self._save_memory(memory)
         self._keep_sriov_snapshot(memory)
         try:
-            self.state.publish(
-                self.status_document(snap, rec.verdicts, outcomes),
-                {g: rec.verdicts[g].ok for g in self.reconciler.gates},
-            )
-        except OSError as exc:
-            log.error("state write failed: %s", exc)
+            self.state.write_status(self.status_document(snap, rec.verdicts, outcomes))
+        except (OSError, NodeagentError) as exc:
+            self._bookkeeping_failed("status write failed", exc, vouch=False)
+        # Publish last, and only from a pass whose bookkeeping held: a gate file says
+        # "a recent, completed pass decided open".
+        if not self._can_vouch:
+            self.gates.withdraw(self.reconciler.gates)
+        else:
+            gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
+            for p in self.gates.publish(gates_open, now, self.cfg.resync_seconds):
+                log.error(p)
         with self._pass_done:
             self.passes += 1
             self._pass_done.notify_all()
-        return PassResult(snap, dict(rec.verdicts), tuple(outcomes), rec.wake_at)
+        return PassResult(
+            snap,
+            dict(rec.verdicts),
+            tuple(outcomes),
+            rec.wake_at,
+            woken_by=tuple(woken_by),
+            started=now,
+        )
 
     def _keep_sriov_snapshot(self, memory: AgentMemory) -> None:
         """Bookkeeping after the pass's actions: the VF snapshot file follows the guard's memory."""
@@ -227,18 +263,30 @@ class Agent:
             return
         try:
             self.sriov_store.save({pci: m.saved for pci, m in sriov.pfs.items()})
-        except (OSError, NodeagentError) as exc:
-            log.error("SR-IOV snapshot write failed: %s", exc)
+        except (OSError, NodeagentError) as exc:  # a record: it does not hold any gate
+            self._bookkeeping_failed("SR-IOV snapshot write failed", exc, vouch=True)
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)
-        if doc == self._saved_memory:
+        if doc == self._saved_memory and self.state.memory_intact():
             return
         try:
             self.state.save_memory(doc)
             self._saved_memory = doc
-        except OSError as exc:
-            log.error("state write failed: %s", exc)
+        except (OSError, NodeagentError) as exc:
+            self._bookkeeping_failed("memory save failed", exc, vouch=False)
+
+    def _bookkeeping_failed(self, what: str, exc: Exception, *, vouch: bool) -> None:
+        """Log and report; ``vouch=False``: this pass may not publish an open gate.
+
+        Without its memory on disk a restarted agent could take a stale ready flag
+        for a fresh one; without status the operator cannot see why. The timeline is
+        a record only: its failure is reported, not held against the gate.
+        """
+        problem = f"{what}: {getattr(exc, 'strerror', None) or exc}"
+        log.error(problem)
+        self._pass_problems.append(problem)
+        self._can_vouch = self._can_vouch and vouch
 
     def status_document(
         self,
@@ -246,23 +294,27 @@ class Agent:
         verdicts: Mapping[str, Verdict],
         outcomes: Sequence[ActionOutcome],
     ) -> dict[str, Any]:
-        return {
-            "version": __version__,
-            "time": snap.now,
-            "mode": self.cfg.mode,
-            "kernel": snap.kernel,
-            "problems": list(snap.problems),
-            "guards": {g: v.to_json() for g, v in verdicts.items()},
-            "last_actions": [
-                {
-                    "action": o.action.describe(),
-                    "performed": o.performed,
-                    "ok": o.ok,
-                    "error": o.error,
-                }
-                for o in outcomes
-            ],
-        }
+        return bounded(
+            {
+                "version": __version__,
+                "time": snap.now,
+                "mode": self.cfg.mode,
+                "kernel": snap.kernel,
+                "resync_seconds": self.cfg.resync_seconds,  # status tells a dead agent by it
+                "pid": os.getpid(),
+                "problems": [*snap.problems, *self._pass_problems],
+                "guards": {g: v.to_json() for g, v in verdicts.items()},
+                "last_actions": [
+                    {
+                        "action": o.action.describe(),
+                        "performed": o.performed,
+                        "ok": o.ok,
+                        "error": o.error,
+                    }
+                    for o in outcomes
+                ],
+            }
+        )
 
     def wait_for_passes(self, count: int, timeout: float) -> bool:
         """Block until at least ``count`` passes have completed (for tests and the simulator)."""

@@ -38,7 +38,13 @@ class Needs:
     chain_trees: tuple[str, ...] = ()
     disk: tuple[DiskNeed, ...] = ()
     files: frozenset[str] = frozenset()  # marker files (presence + identity), watched
+    # Of those, markers whose presence means "stop" (MOFED's blacklist file): a
+    # symlink, directory or FIFO there counts as present; elsewhere as absent.
+    present_if_odd: frozenset[str] = frozenset()
     listings: frozenset[str] = frozenset()  # directories whose entry names are read, watched
+    # Small text files whose content is read each pass (procfs: not watched; they change
+    # with a module load, which a uevent reports), e.g. proc/driver/nvidia/version.
+    texts: frozenset[str] = frozenset()
     watch: frozenset[str] = frozenset()  # further directories to watch (e.g. for a hold file)
     locks: bool = False  # /proc/locks
     mounts: bool = False  # /proc/1/mountinfo
@@ -58,7 +64,9 @@ class Needs:
                 modules=out.modules | n.modules,
                 chains=out.chains | n.chains,
                 files=out.files | n.files,
+                present_if_odd=out.present_if_odd | n.present_if_odd,
                 listings=out.listings | n.listings,
+                texts=out.texts | n.texts,
                 watch=out.watch | n.watch,
                 locks=out.locks or n.locks,
                 mounts=out.mounts or n.mounts,
@@ -71,7 +79,9 @@ class Needs:
             chain_trees=tuple(trees),
             disk=tuple(disk.values()),
             files=out.files,
+            present_if_odd=out.present_if_odd,
             listings=out.listings,
+            texts=out.texts,
             watch=out.watch,
             locks=out.locks,
             mounts=out.mounts,

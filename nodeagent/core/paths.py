@@ -26,6 +26,9 @@ class HostPaths:
     locks: str = "proc/locks"
     mountinfo: str = "proc/1/mountinfo"
     nvme_class: str = "sys/class/nvme"
+    nvidia_version: str = "proc/driver/nvidia/version"  # the loaded driver's banner
+    memory_peers: str = "sys/kernel/mm/memory_peers"  # peer-memory clients (MOFED's ib_core)
+    journal_socket: str = "run/systemd/journal/socket"
     sriov_snapshot: str = "var/lib/nodeagent/sriov.json"  # the VF guard's saved VF configs
     sriov_cni_cache: str = "var/lib/cni/sriov"  # sriov-cni's per-attachment cache
 

@@ -28,7 +28,7 @@ carries out ``RestoreVf``/``SetNumVfs``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
@@ -54,6 +54,7 @@ from nodeagent.core.sriov_model import (
     saved_pf_from_json,
     saved_pf_to_json,
 )
+from nodeagent.core.telemetry import MetricFamily, Sample
 
 GUARD = "sriov"
 Phase = Literal["stable", "disrupted", "restoring", "restored", "degraded"]
@@ -563,9 +564,34 @@ def _pf_evidence(mem: PfMemory, obs: PfSnapshot | None) -> dict[str, Any]:
     return ev
 
 
+# Per PF (labels as DCGM's: pci_bus_id, device = the PF's netdev): bounded by the node.
+METRIC_FAMILIES = (
+    MetricFamily(
+        "nodeagent_sriov_vfs",
+        "gauge",
+        "VFs of a PF by restore state (saved: in the snapshot; restored, waiting, failed)",
+        ("pci_bus_id", "device", "state"),
+    ),
+    MetricFamily(
+        "nodeagent_sriov_vf_restores_total",
+        "counter",
+        "VF restores carried out, by outcome (ok, failed)",
+        ("pci_bus_id", "device", "outcome"),
+    ),
+    MetricFamily(
+        "nodeagent_sriov_vf_restore_seconds",
+        "histogram",
+        "how long one VF restore took (netlink writes and read-back)",
+        ("pci_bus_id", "device"),
+    ),
+)
+
+
 class SriovGuard:
     name = GUARD
     gate = False  # it reports; nothing waits on it
+    verdict_words = PHASES
+    metric_families = METRIC_FAMILIES
 
     def __init__(self, policy: SriovPolicy | None = None, paths: HostPaths | None = None) -> None:
         self.policy = policy or SriovPolicy()
@@ -577,6 +603,30 @@ class SriovGuard:
 
     def initial_memory(self) -> SriovMemory:
         return SriovMemory()
+
+    def metric_samples(self, verdict: Verdict, outcomes: Sequence[ActionOutcome]) -> list[Sample]:
+        pfs = verdict.evidence.get("pfs") or {}
+        out = []
+        for pci, ev in pfs.items():
+            labels = {"pci_bus_id": pci, "device": str(ev.get("netdev") or "")}
+            failed = len(ev.get("failed") or {})
+            restored = int(ev.get("restored") or 0)
+            counts = {"saved": int(ev.get("vfs") or 0), "restored": restored, "failed": failed}
+            if ev.get("phase") == "restoring":
+                counts["waiting"] = counts["saved"] - restored - failed
+            out += [
+                Sample("nodeagent_sriov_vfs", {**labels, "state": k}, v) for k, v in counts.items()
+            ]
+        for o in outcomes:
+            if not isinstance(o.action, RestoreVf) or not o.performed:
+                continue
+            pci = o.action.pf_pci
+            labels = {"pci_bus_id": pci, "device": str((pfs.get(pci) or {}).get("netdev") or "")}
+            outcome = "ok" if o.ok else "failed"
+            out.append(Sample("nodeagent_sriov_vf_restores_total", {**labels, "outcome": outcome}))
+            if o.seconds is not None:
+                out.append(Sample("nodeagent_sriov_vf_restore_seconds", labels, o.seconds))
+        return out
 
     def on_stop(self, memory: SriovMemory) -> tuple[()]:
         return ()  # VF config stays as it is; the snapshot file keeps what to restore

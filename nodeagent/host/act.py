@@ -20,8 +20,9 @@ import errno
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tenacity import (
@@ -79,6 +80,8 @@ class NodeHands:
     kernel_log: KernelLog
     attempts: int = 3
     first_wait_s: float = 0.05
+    # The descriptor the observer read and checked a .ko from (None: not verified now).
+    verified_fd: Callable[[str], int | None] | None = None
     sriov: SriovOps | None = None  # netlink and sriov_numvfs (pyroute2 unless injected)
 
 
@@ -126,10 +129,29 @@ class ModuleExecutor:
             raise StepFailed(str(exc), exc.errno, messages) from None
 
     def load_file(self, action: LoadModuleFile) -> None:
-        path = str(self.hands.host.path(action.path))
-        self._run(
-            "load", action.module, lambda: self.hands.ops.insert_file(path, action.params), True
-        )
+        """finit_module on the descriptor the gate verified: no second lookup by path.
+
+        Without an observer (tools, tests) the file is opened once, inside the
+        host root, and loaded by that descriptor.
+        """
+        if self.hands.verified_fd is not None:
+            fd = self.hands.verified_fd(action.path)
+            if fd is None:
+                raise NodeagentError(
+                    f"{action.path} changed or was not read cleanly since the gate checked it; "
+                    "it is checked again on the next pass"
+                )
+            self._insert(fd, action)
+            return
+        fd, _st = self.hands.host.open_regular(action.path, follow=True)
+        try:
+            self._insert(fd, action)
+        finally:
+            os.close(fd)
+
+    def _insert(self, fd: int, action: LoadModuleFile) -> None:
+        insert = functools.partial(self.hands.ops.insert_fd, fd, action.module, action.params)
+        self._run("load", action.module, insert, True)
 
     def load(self, action: LoadModule) -> None:
         """From the first tree whose modules.dep lists the module (ENOENT: try the next)."""
@@ -190,9 +212,16 @@ class Actuator:
         attempts: int = 3,
         first_wait_s: float = 0.05,
         executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
+        verified_fd: Callable[[str], int | None] | None = None,
+        clock: Callable[[], float] = time.time,
         sriov_ops: SriovOps | None = None,
     ) -> None:
-        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s, sriov_ops)
+        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it);
+        ``sriov_ops``: the VF guard's netlink and ``sriov_numvfs`` access (pyroute2 by default)."""
+        hands = NodeHands(
+            host, ops, kernel_log, attempts, first_wait_s, verified_fd=verified_fd, sriov=sriov_ops
+        )
+        self.clock = clock
         self.table: dict[type, Handler] = {}
         for make in executors:
             for kind, handler in make(hands).handlers().items():
@@ -205,6 +234,13 @@ class Actuator:
         }
 
     def perform(self, action: Action) -> ActionOutcome:
+        """Run one action; its outcome is stamped with when it ended and how long it took."""
+        began = self.clock()
+        outcome = self._perform(action)
+        done = self.clock()
+        return replace(outcome, finished_at=done, seconds=max(0.0, done - began))
+
+    def _perform(self, action: Action) -> ActionOutcome:
         handler = self.table.get(type(action))
         if handler is None:
             return ActionOutcome(

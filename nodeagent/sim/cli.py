@@ -66,15 +66,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_SPEED = 1e6  # seed-seconds per wall second; beyond it the pacing means nothing
+
+
 def simulate_main(argv: list[str]) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed
         return int(exc.code or 0)
-    if args.speed < 0 or args.speed != args.speed:
+    if not 0 <= args.speed <= MAX_SPEED:  # also refuses nan and inf
         parser.print_usage(sys.stderr)
-        print("nodeagent simulate: error: --speed must be >= 0", file=sys.stderr)
+        print(
+            f"nodeagent simulate: error: --speed must be within 0..{MAX_SPEED:g}, "
+            f"got {args.speed!r}",
+            file=sys.stderr,
+        )
         return 2
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     modes = [False, True] if args.compare else [not args.without_agent]
