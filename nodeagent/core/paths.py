@@ -26,6 +26,7 @@ class HostPaths:
     locks: str = "proc/locks"
     mountinfo: str = "proc/1/mountinfo"
     nvme_class: str = "sys/class/nvme"
+    nvmet_ports: str = "sys/kernel/config/nvmet/ports"
 
     @property
     def mofed(self) -> MofedMarkers:
