@@ -9,6 +9,7 @@ example, that the ready flag it sees predates a MOFED restart.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,13 +24,15 @@ from nodeagent.core.guard import Verdict
 from nodeagent.core.reconcile import AgentMemory, Reconciler
 from nodeagent.core.registry import build_reconciler as build_guard_reconciler
 from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
+from nodeagent.host.gatefile import GateFiles
 from nodeagent.host.kmod import ModuleOps, default_module_ops
 from nodeagent.host.observe import Observer, Readers
 from nodeagent.host.state import StateStore
-from nodeagent.timeline import Timeline
+from nodeagent.timeline import Timeline, bounded
 
 log = logging.getLogger("nodeagent")
 
@@ -90,9 +93,17 @@ class Agent:
         self.reconciler = build_reconciler(cfg)
         self.observer = Observer(self.host, cfg, self.reconciler.needs(), readers)
         self.actuator = Actuator(
-            self.host, module_ops or default_module_ops(), kernel_log or kmsg_reader(cfg.kmsg)
+            self.host,
+            module_ops or default_module_ops(),
+            kernel_log or kmsg_reader(cfg.kmsg),
+            verified_fd=self.observer.verified_fd,  # load the very file the gate checked
         )
-        self.state = StateStore(self.host, cfg.paths.state_dir)
+        self.state = StateStore(self.host, cfg.paths.state_dir, clock)
+        self.gates = GateFiles(self.host, cfg.paths.state_dir)
+        # Bookkeeping failures of the current pass (memory, timeline, status): logged,
+        # reported in status.json, never a reason to skip an action.
+        self._pass_problems: list[str] = []
+        self._can_vouch = True  # False once memory or status could not be written this pass
         self.timeline = Timeline(
             self.host, cfg.paths.timeline_dir, cfg.timeline_max_bytes, cfg.timeline_keep
         )
@@ -112,13 +123,13 @@ class Agent:
     # -- recording ------------------------------------------------------------
 
     def record(self, rec: dict[str, Any]) -> None:
-        rec = {"ts": round(self.clock(), 6), **rec}
+        rec = bounded({"ts": round(self.clock(), 6), **rec})
         if self.on_record is not None:
             self.on_record(rec)
         try:
             self.timeline.append(rec)
-        except OSError as exc:
-            log.error("timeline write failed: %s", exc.strerror)
+        except (OSError, NodeagentError) as exc:
+            self._bookkeeping_failed("timeline write failed", exc, vouch=True)
         log.info(rec.get("kind", "record"), extra={"record": rec})
 
     # -- one pass -------------------------------------------------------------
@@ -127,8 +138,11 @@ class Agent:
         with self.pass_context():
             try:
                 result = self._pass(woken_by)
-            except Exception as exc:
-                if self.on_pass is not None:
+            except BaseException as exc:
+                # Fail closed: a pass that did not complete vouches for no gate.
+                for p in self.gates.withdraw(self.reconciler.gates):
+                    log.error(p)
+                if self.on_pass is not None and isinstance(exc, Exception):
                     self.on_pass(None, exc)
                 raise
             if self.on_pass is not None:
@@ -137,8 +151,14 @@ class Agent:
 
     def _pass(self, woken_by: Sequence[str]) -> PassResult:
         now = self.clock()
+        self._pass_problems, self._can_vouch = [], True
         snap = self.observer.observe(now)
         rec = self.reconciler.decide(snap, self.memory)
+        # Fail closed first: a closed gate's file goes before memory, status, timeline
+        # or any action (gatefile.py has the whole order).
+        self._pass_problems += self.gates.withdraw(
+            g for g in self.reconciler.gates if not rec.verdicts[g].ok
+        )
         memory = rec.memory
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
         # stale") is on disk before any action runs, so dying mid-action loses nothing.
@@ -183,12 +203,17 @@ class Agent:
         self.memory = memory
         self._save_memory(memory)
         try:
-            self.state.publish(
-                self.status_document(snap, rec.verdicts, outcomes),
-                {g: rec.verdicts[g].ok for g in self.reconciler.gates},
-            )
-        except OSError as exc:
-            log.error("state write failed: %s", exc)
+            self.state.write_status(self.status_document(snap, rec.verdicts, outcomes))
+        except (OSError, NodeagentError) as exc:
+            self._bookkeeping_failed("status write failed", exc, vouch=False)
+        # Publish last, and only from a pass whose bookkeeping held: a gate file says
+        # "a recent, completed pass decided open".
+        if not self._can_vouch:
+            self.gates.withdraw(self.reconciler.gates)
+        else:
+            gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
+            for p in self.gates.publish(gates_open, now, self.cfg.resync_seconds):
+                log.error(p)
         with self._pass_done:
             self.passes += 1
             self._pass_done.notify_all()
@@ -196,13 +221,25 @@ class Agent:
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)
-        if doc == self._saved_memory:
+        if doc == self._saved_memory and self.state.memory_intact():
             return
         try:
             self.state.save_memory(doc)
             self._saved_memory = doc
-        except OSError as exc:
-            log.error("state write failed: %s", exc)
+        except (OSError, NodeagentError) as exc:
+            self._bookkeeping_failed("memory save failed", exc, vouch=False)
+
+    def _bookkeeping_failed(self, what: str, exc: Exception, *, vouch: bool) -> None:
+        """Log and report; ``vouch=False``: this pass may not publish an open gate.
+
+        Without its memory on disk a restarted agent could take a stale ready flag
+        for a fresh one; without status the operator cannot see why. The timeline is
+        a record only: its failure is reported, not held against the gate.
+        """
+        problem = f"{what}: {getattr(exc, 'strerror', None) or exc}"
+        log.error(problem)
+        self._pass_problems.append(problem)
+        self._can_vouch = self._can_vouch and vouch
 
     def status_document(
         self,
@@ -210,23 +247,27 @@ class Agent:
         verdicts: Mapping[str, Verdict],
         outcomes: Sequence[ActionOutcome],
     ) -> dict[str, Any]:
-        return {
-            "version": __version__,
-            "time": snap.now,
-            "mode": self.cfg.mode,
-            "kernel": snap.kernel,
-            "problems": list(snap.problems),
-            "guards": {g: v.to_json() for g, v in verdicts.items()},
-            "last_actions": [
-                {
-                    "action": o.action.describe(),
-                    "performed": o.performed,
-                    "ok": o.ok,
-                    "error": o.error,
-                }
-                for o in outcomes
-            ],
-        }
+        return bounded(
+            {
+                "version": __version__,
+                "time": snap.now,
+                "mode": self.cfg.mode,
+                "kernel": snap.kernel,
+                "resync_seconds": self.cfg.resync_seconds,  # status tells a dead agent by it
+                "pid": os.getpid(),
+                "problems": [*snap.problems, *self._pass_problems],
+                "guards": {g: v.to_json() for g, v in verdicts.items()},
+                "last_actions": [
+                    {
+                        "action": o.action.describe(),
+                        "performed": o.performed,
+                        "ok": o.ok,
+                        "error": o.error,
+                    }
+                    for o in outcomes
+                ],
+            }
+        )
 
     def wait_for_passes(self, count: int, timeout: float) -> bool:
         """Block until at least ``count`` passes have completed (for tests and the simulator)."""

@@ -1,25 +1,47 @@
-"""Command line: ``nodeagent run|check|status|wait|simulate``.
+"""Command line: ``nodeagent run|check|status|wait|timeline|simulate``.
 
 Exit codes: 0 success / every guard ok; 1 a guard is not ok (a gate closed,
-storage blocking MOFED ...), a wait timed out or no status exists; 2 a usage
-or input error (printed as one line).
+storage blocking MOFED ...), a wait timed out, no status exists or the agent
+is not reconciling; 2 a usage or input error (printed as one line); 141 the
+reader of our output went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import signal
+import math
+import os
+import stat
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from nodeagent import __version__
 from nodeagent.config import Config, load_config
 from nodeagent.errors import NodeagentError
 
 EXIT_OK, EXIT_NOT_OK, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -35,7 +57,7 @@ def _gate_names() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="nodeagent",
         description="Orders kernel-module loads on GPU/RDMA nodes (nvidia_peermem, MOFED).",
     )
@@ -59,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     wait = sub.add_parser("wait", help="block until a gate is open (for init containers)")
     _common(wait)
     wait.add_argument("gate", choices=_gate_names())
-    wait.add_argument("--timeout", type=float, default=None, help="seconds (default: forever)")
+    wait.add_argument("--timeout", type=_timeout, default=None, help="seconds (default: forever)")
+
+    tl = sub.add_parser("timeline", help="draw the recorded decisions (lanes over time)")
+    _common(tl)
+    tl.add_argument("--since", help="30m, 2h, an ISO 8601 time, or epoch seconds")
+    tl.add_argument("--format", choices=["text", "html"], default="text")
 
     sim = sub.add_parser(
         "simulate", help="replay the seed incidents on a simulated node", add_help=False
@@ -70,13 +97,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # inside the try: a pipe closed early fails here, not at exit
+        return rc
+    except BrokenPipeError:  # `nodeagent check | head`: the reader left; stop quietly
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell tool killed by it would
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["simulate"]:
         from nodeagent.sim.cli import simulate_main
 
         return simulate_main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help/--version (0) or a usage error already printed (2)
+        return int(exc.code or 0) if isinstance(exc.code, int | None) else EXIT_USAGE
+    try:
+        _check_config_file(args.config)
         cfg = load_config(args.config, host_root=args.host_root, mode=getattr(args, "mode", None))
         if args.command == "run":
             return cmd_run(cfg, args.once, args.log_level)
@@ -86,28 +128,53 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_status(cfg, args.json)
         if args.command == "wait":
             return cmd_wait(cfg, args.gate, args.timeout)
+        if args.command == "timeline":
+            from nodeagent.timeline_view.cli import timeline_main
+
+            return timeline_main(cfg, args.since, args.format)
     except NodeagentError as exc:
-        print(f"nodeagent: error: {exc}", file=sys.stderr)
+        print(f"nodeagent: error: {safe(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     parser.error(f"unknown command {args.command}")
-    return EXIT_USAGE
+
+
+def _check_config_file(path: str | None) -> None:
+    """A config that is a FIFO would block the read, a directory would confuse it: refuse."""
+    if path is None:
+        return
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise NodeagentError(f"config file {path}: not found") from None
+    except OSError as exc:
+        raise NodeagentError(f"config file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise NodeagentError(f"config file {path}: not a regular file")
+
+
+def safe(text: object) -> str:
+    """Text from the node, made harmless for a terminal: control characters escaped."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
 
 
 def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     from nodeagent.agent import Agent
+    from nodeagent.host.agentlock import AgentLock
+    from nodeagent.host.events import StopOnSignal
+    from nodeagent.host.fs import HostRoot
     from nodeagent.log import setup_logging
 
     setup_logging(log_level)
-    agent = Agent(cfg)
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        agent.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    agent.run(once=once)
+    # One agent per node; the lock is taken before anything is read or written.
+    with AgentLock(HostRoot(cfg.host_root), cfg.paths.state_dir):
+        agent = Agent(cfg)
+        with StopOnSignal(agent.stop, grace_seconds=1.5):
+            agent.run(once=once)
     return 0
 
 
@@ -116,12 +183,15 @@ def cmd_check(cfg: Config, as_json: bool) -> int:
     from nodeagent.host.fs import HostRoot
     from nodeagent.host.observe import Observer
     from nodeagent.host.state import StateStore
+    from nodeagent.timeline import bounded
 
     host = HostRoot(cfg.host_root)
     reconciler = build_reconciler(cfg.policies, cfg.paths)
     # Read-only use of the daemon's memory, so a stale flag is judged as the daemon would.
     memory, problems = StateStore(host, cfg.paths.state_dir).load_memory(reconciler, read_only=True)
-    snap = Observer(host, cfg, reconciler.needs()).observe(time.time())
+    observer = Observer(host, cfg, reconciler.needs())
+    snap = observer.observe(time.time())
+    observer.close()
     rec = reconciler.decide(snap, memory)
     doc = {
         "kernel": snap.kernel,
@@ -131,71 +201,124 @@ def cmd_check(cfg: Config, as_json: bool) -> int:
     if problems:
         doc["problems"] = problems
     if as_json:
-        print(json.dumps(doc, indent=2, default=str))
+        print(json.dumps(bounded(doc), indent=2, default=str))
     else:
-        print(f"kernel {snap.kernel}")
+        print(f"kernel {safe(snap.kernel)}")
         for p in problems:
-            print(f"problem: {p}")
+            print(f"problem: {safe(p)}")
         for guard, v in rec.verdicts.items():
             print(f"{guard}: {v.verdict}")
             for reason in v.reasons:
-                print(f"  - {reason}")
+                print(f"  - {safe(reason)}")
     return EXIT_OK if all(v.ok for v in rec.verdicts.values()) else EXIT_NOT_OK
 
 
+def _get(doc: Any, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """``doc[key]`` when ``doc`` is an object and the value has the expected type."""
+    if isinstance(doc, dict):
+        value = doc.get(key)
+        if isinstance(value, kind) and not (isinstance(value, bool) and bool not in _kinds(kind)):
+            return value
+    return default
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
 def cmd_status(cfg: Config, as_json: bool) -> int:
+    """Print what the agent last decided; exit 1 when it is not reconciling (or never ran).
+
+    Any shape of status.json is read without a traceback: fields of the wrong
+    type are shown as unknown.
+    """
     from nodeagent.host.fs import HostRoot
-    from nodeagent.host.state import StateStore
-
-    store = StateStore(HostRoot(cfg.host_root), cfg.paths.state_dir)
-    try:
-        status = store.read_status()
-    except (OSError, ValueError) as exc:
-        raise NodeagentError(f"{store.status_rel}: unreadable: {exc}") from None
-    if status is None:
-        print(f"no agent status at {store.status_rel}: nodeagent has not run on this node")
-        return EXIT_NOT_OK
-    if as_json:
-        print(json.dumps(status, indent=2, default=str))
-        return EXIT_OK
-    age = time.time() - float(status.get("time") or 0)
-    print(
-        f"nodeagent {status.get('version')} mode={status.get('mode')} "
-        f"kernel={status.get('kernel')} last pass {age:.0f}s ago"
-    )
-    for guard, v in (status.get("guards") or {}).items():
-        print(f"{guard}: {v.get('verdict')}")
-        for reason in v.get("reasons") or []:
-            print(f"  - {reason}")
-    for a in status.get("last_actions") or []:
-        state = "done" if a.get("performed") else "decided (observe mode)"
-        result = "ok" if a.get("ok") else f"failed: {a.get('error')}"
-        print(f"last action: {a.get('action')} — {state}, {result}")
-    return EXIT_OK
-
-
-def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
-    from nodeagent.host.events import FileWatch, Poke, Waker
-    from nodeagent.host.fs import HostRoot
+    from nodeagent.host.gatefile import GateFiles, stale_reason, when
     from nodeagent.host.state import StateStore
 
     host = HostRoot(cfg.host_root)
     store = StateStore(host, cfg.paths.state_dir)
-    rel = store.gate_rel(gate)
+    try:
+        status = store.read_status()
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise NodeagentError(f"{store.status_rel}: unreadable: {why}") from None
+    if status is None:
+        print(f"no agent status at {store.status_rel}: nodeagent has not run on this node")
+        return EXIT_NOT_OK
+    now = time.time()
+    last = _get(status, "time", (int, float))
+    resync = _get(status, "resync_seconds", (int, float), cfg.resync_seconds)
+    if last is None or not math.isfinite(last) or not math.isfinite(resync) or resync <= 0:
+        liveness = "agent state unknown: status.json has no valid pass time"
+        alive = False
+    else:
+        stale = stale_reason(float(last), float(resync), now)
+        alive = stale is None
+        liveness = (
+            stale or f"agent reconciling: last pass {max(0.0, now - last):.0f}s ago ({when(last)})"
+        )
+    gates = GateFiles(host, cfg.paths.state_dir)
+    guards = _get(status, "guards", dict, {})
+    gate_names = _gate_names()
+    if as_json:
+        extra = {
+            "agent": {"reconciling": alive, "summary": liveness},
+            "gate_files": {g: vars(gates.read(g, now)) for g in gate_names},
+        }
+        # The agent's document as written, with what this reader found added.
+        doc = {**status, **extra} if isinstance(status, dict) else {"status": status, **extra}
+        print(json.dumps(doc, indent=2, default=str))
+        return EXIT_OK if alive else EXIT_NOT_OK
+    print(
+        f"nodeagent {safe(_get(status, 'version', str, '?'))} "
+        f"mode={safe(_get(status, 'mode', str, '?'))} "
+        f"kernel={safe(_get(status, 'kernel', str, '?'))}"
+    )
+    print(safe(liveness))
+    for guard, v in guards.items():
+        verdict = f"{safe(guard)}: {safe(_get(v, 'verdict', str, 'unknown'))} (last pass)"
+        if guard in gate_names:
+            verdict += f"; gate file: {safe(gates.read(guard, now).reason)}"
+        print(verdict)
+        for reason in _get(v, "reasons", list, []):
+            print(f"  - {safe(reason)}")
+    for p in _get(status, "problems", list, []):
+        print(f"problem: {safe(p)}")
+    for a in _get(status, "last_actions", list, []):
+        state = "done" if _get(a, "performed", bool) else "decided (observe mode)"
+        result = "ok" if _get(a, "ok", bool) else f"failed: {safe(_get(a, 'error', str, '?'))}"
+        print(f"last action: {safe(_get(a, 'action', str, '?'))} — {state}, {result}")
+    return EXIT_OK if alive else EXIT_NOT_OK
+
+
+def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
+    """Exit 0 once the gate file says open and is recent; 1 on timeout (with the last reason)."""
+    from nodeagent.host.events import FileWatch, Poke, Waker
+    from nodeagent.host.fs import HostRoot
+    from nodeagent.host.gatefile import GateFiles
+
+    host = HostRoot(cfg.host_root)
+    gates = GateFiles(host, cfg.paths.state_dir)
     deadline = None if timeout is None else time.monotonic() + timeout
     poke = Poke()
     watch = FileWatch(host.root, [host.path(cfg.paths.state_dir)], poke)
     try:
         waker = Waker([poke])
         while True:
-            if host.file_fact(rel).present:
-                print(f"{gate} gate is open")
+            reading = gates.read(gate, time.time())
+            if reading.is_open:
+                print(f"{gate} gate is {reading.reason}")
                 return EXIT_OK
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                print(f"timed out waiting for the {gate} gate ({rel})", file=sys.stderr)
+                print(
+                    f"timed out waiting for the {gate} gate: {safe(reading.reason)}",
+                    file=sys.stderr,
+                )
                 return EXIT_NOT_OK
-            # Poll every second too, in case the watch was set on a parent that later moved.
+            # Poll every second too: a watch set on a parent that later moved, and a
+            # gate going stale, produce no event.
             waker.wait(1.0 if left is None else min(1.0, left))
             watch.refresh()
     finally:

@@ -115,7 +115,7 @@ def load_config(
             raise NodeagentError(f"config file {path}: not found") from None
         except OSError as exc:
             raise NodeagentError(f"config file {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise NodeagentError(f"config file {path} does not parse as TOML: {exc}") from None
         cfg = config_from_mapping(data, cfg)
     if env.get("NODEAGENT_HOST_ROOT"):

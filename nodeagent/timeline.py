@@ -1,18 +1,23 @@
 """The append-only decision timeline: one JSON object a line, bounded, rotated.
 
-Each record is written with a single O_APPEND write, so concurrent readers see
+The file is opened non-blocking, through the directory's descriptor, never
+through a symlink, and refused unless it is a regular file. Each record is
+written with a single O_APPEND write, so concurrent readers see
 whole lines and a crash leaves at most the last line missing, never a torn
 file. When the file passes its size bound it is rotated to ``.1``, ``.2``, ...
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from nodeagent.host.fs import HostRoot
+from nodeagent.host.fs import HostRoot, NotRegularFile
 
 
 class Timeline:
@@ -22,44 +27,44 @@ class Timeline:
         self.directory = directory
         self.max_bytes = max_bytes
         self.keep = keep
-        self._dir_ready = False
 
     def append(self, record: Mapping[str, Any]) -> None:
-        if not self._dir_ready:
-            self.host.ensure_dir(self.directory)
-            self._dir_ready = True
+        """One O_APPEND write. Raises OSError/NodeagentError (the caller reports it)."""
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-        path = self.host.path(self.rel)
-        fd = os.open(
-            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-        )
+        name = self.rel.rsplit("/", 1)[-1]
+        dfd = self.host.open_dir(self.directory, create=True)
         try:
-            os.write(fd, line)
-            os.fdatasync(fd)
-            size = os.fstat(fd).st_size
+            # Non-blocking and regular files only: a FIFO planted here must not hang a pass.
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(name, flags | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise NotRegularFile(errno.EINVAL, f"{self.rel} is not a regular file")
+                os.write(fd, line)
+                os.fdatasync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if size > self.max_bytes:
+                self._rotate(dfd, name)
         finally:
-            os.close(fd)
-        if size > self.max_bytes:
-            self._rotate()
+            os.close(dfd)
 
-    def _rotate(self) -> None:
-        base = self.host.path(self.rel)
+    def _rotate(self, dfd: int, name: str) -> None:
         for i in range(self.keep - 1, 0, -1):
-            src = base.with_name(f"{base.name}.{i}")
-            if src.exists():
-                os.replace(src, base.with_name(f"{base.name}.{i + 1}"))
-        os.replace(base, base.with_name(f"{base.name}.1"))
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{name}.{i}", f"{name}.{i + 1}", src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.replace(name, f"{name}.1", src_dir_fd=dfd, dst_dir_fd=dfd)
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Oldest first, across rotated files; a torn or foreign line is skipped."""
-        base = self.host.path(self.rel)
-        files = [base.with_name(f"{base.name}.{i}") for i in range(self.keep, 0, -1)] + [base]
-        for f in files:
+        files = [f"{self.rel}.{i}" for i in range(self.keep, 0, -1)] + [self.rel]
+        for rel in files:
             try:
-                fh = open(f, encoding="utf-8", errors="replace")  # noqa: SIM115
+                fd, _st = self.host.open_regular(rel)
             except FileNotFoundError:
                 continue
-            with fh:
+            with open(fd, encoding="utf-8", errors="replace", closefd=True) as fh:
                 for line in fh:
                     try:
                         rec = json.loads(line)
@@ -67,3 +72,21 @@ class Timeline:
                         continue
                     if isinstance(rec, dict):
                         yield rec
+
+
+# Lists in status.json and in records are cut to this many items, with a note of
+# how many were left out: the node decides their length (e.g. 10,000 validation
+# markers), and status.json is rewritten and fsynced on every pass.
+MAX_LIST_ITEMS = 64
+
+
+def bounded(doc: Any, max_items: int = MAX_LIST_ITEMS) -> Any:
+    """``doc`` with every list longer than ``max_items`` cut, saying how many were left out."""
+    if isinstance(doc, Mapping):
+        return {k: bounded(v, max_items) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        items = [bounded(v, max_items) for v in doc[:max_items]]
+        if len(doc) > max_items:
+            items.append(f"... {len(doc) - max_items} more left out")
+        return items
+    return doc

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, unit, integration (real inotify), simulator, and
-# the real-kernel suite (a Debian kernel under QEMU; set up on first use, as root).
+# the real-kernel suite (a Debian kernel under QEMU; set up on first use, as root), and
+# the HTML timeline in headless Chromium (Debian's package, installed on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -13,4 +14,7 @@ cd "$(dirname "$0")/.."
 # (not root, no apt) the real-kernel tests skip with the reason.
 .venv/bin/python -m tests.realkernel.setup >/dev/null \
   || echo "real-kernel setup unavailable: those tests will be skipped (reason above)" >&2
+# Debian's Chromium for the HTML timeline test (installed as root when missing).
+.venv/bin/python -m tests.chromium_setup >/dev/null \
+  || echo "chromium setup unavailable: the headless-browser test will be skipped" >&2
 exec .venv/bin/pytest -q -rs "$@"

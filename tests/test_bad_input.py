@@ -141,7 +141,7 @@ def test_corrupt_state_file_is_set_aside_and_agent_starts_fresh(root: Path) -> N
     state.write_text('{"version": 1, "guards": {"peermem": {"failures": "lots"')
     cfg = Config(host_root=str(root), uevents=False)
     agent = Agent(cfg, module_ops=_NoOps(), kernel_log=lambda m: [])
-    assert (root / "run/nodeagent/state.json.corrupt").exists()
+    assert [p.name for p in (root / "run/nodeagent").glob("state.json.bad-*")]
     agent.run_pass(["test"])
     saved = json.loads(state.read_text())
     assert saved["version"] == 1 and "peermem" in saved["guards"]
@@ -198,6 +198,9 @@ def test_cli_has_no_traceback_on_unknown_command() -> None:
 
 class _NoOps:
     def insert_file(self, path: str, params: object) -> None:
+        raise AssertionError("observe-mode agent must not load")
+
+    def insert_fd(self, fd: int, name: str, params: object) -> None:
         raise AssertionError("observe-mode agent must not load")
 
     def remove(self, name: str) -> None:

@@ -208,6 +208,9 @@ class _CrashingKernel:
     def insert_file(self, path: str, params: object) -> None:
         self.node.kernel.insert_file(path, params)  # type: ignore[arg-type]
 
+    def insert_fd(self, fd: int, name: str, params: object) -> None:
+        self.node.kernel.insert_fd(fd, name, params)  # type: ignore[arg-type]
+
     def remove(self, name: str) -> None:
         raise _Crash(name)
 

@@ -209,6 +209,16 @@ def test_restart_unloads_idle_peermem_at_once() -> None:
     assert d2.actions[0].module == PEERMEM
 
 
+def test_restart_unloads_peermem_only_once_it_is_live() -> None:
+    # Another party's load still in its init: the kernel would refuse the unload (EBUSY).
+    coming = loaded(PEERMEM, "P" * 23, refcnt=0, initstate="coming")
+    snap = with_files(with_modules(healthy(), nvidia_peermem=coming), flag(False))
+    d = decide(snap)
+    assert d.actions == ()
+    live = with_modules(snap, nvidia_peermem=replace(coming, initstate="live"))
+    assert [type(a) for a in GATE.decide(live, d.memory).actions] == [UnloadModule]
+
+
 def test_restart_leaves_busy_peermem_and_says_who_holds_it() -> None:
     busy = loaded(PEERMEM, "P" * 23, refcnt=3, holders=("gdrdrv",))
     snap = with_files(with_modules(healthy(), nvidia_peermem=busy), flag(False))

@@ -61,14 +61,21 @@ def abi_mismatches(
     """
     evidence: dict[str, Any] = {"checked": [], "unverifiable": []}
     reasons: list[str] = []
-    if consumer.path is None or consumer.problem or not consumer.required_crcs:
-        evidence["unverifiable"].append(
-            f"{consumer.name}.ko: " + (consumer.problem or "no __versions CRCs to check")
+    if consumer.path is None or consumer.problem:
+        # A file that cannot be read is not "unverifiable": the gate cannot vouch for it.
+        reasons.append(
+            f"cannot verify {consumer.name}.ko: {consumer.problem or 'no module file found'}"
         )
+        return reasons, evidence
+    if not consumer.required_crcs:
+        evidence["unverifiable"].append(f"{consumer.name}.ko: no __versions CRCs to check")
         return reasons, evidence
     for provider_name, (loaded, provider) in providers.items():
         if loaded is None:
             continue  # the gate's liveness conditions already speak for it
+        if provider.problem and provider.path is not None:
+            reasons.append(f"cannot verify {provider_name}: {provider.problem}")
+            continue
         if provider.path is None or provider.problem:
             evidence["unverifiable"].append(
                 f"{provider_name}: {provider.problem or 'no module file found'}"

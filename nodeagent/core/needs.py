@@ -38,6 +38,9 @@ class Needs:
     chain_trees: tuple[str, ...] = ()
     disk: tuple[DiskNeed, ...] = ()
     files: frozenset[str] = frozenset()  # marker files (presence + identity), watched
+    # Of those, markers whose presence means "stop" (MOFED's blacklist file): a
+    # symlink, directory or FIFO there counts as present; elsewhere as absent.
+    present_if_odd: frozenset[str] = frozenset()
     listings: frozenset[str] = frozenset()  # directories whose entry names are read, watched
     watch: frozenset[str] = frozenset()  # further directories to watch (e.g. for a hold file)
     locks: bool = False  # /proc/locks
@@ -58,6 +61,7 @@ class Needs:
                 modules=out.modules | n.modules,
                 chains=out.chains | n.chains,
                 files=out.files | n.files,
+                present_if_odd=out.present_if_odd | n.present_if_odd,
                 listings=out.listings | n.listings,
                 watch=out.watch | n.watch,
                 locks=out.locks or n.locks,
@@ -71,6 +75,7 @@ class Needs:
             chain_trees=tuple(trees),
             disk=tuple(disk.values()),
             files=out.files,
+            present_if_odd=out.present_if_odd,
             listings=out.listings,
             watch=out.watch,
             locks=out.locks,

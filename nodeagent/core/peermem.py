@@ -24,6 +24,7 @@ restart seen + peermem loaded with refcnt 0 -> unload it at once so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -125,6 +126,7 @@ class PeermemGate:
                 DiskNeed(PEERMEM, (paths.gpu_driver_root, HOST_TREE), follow_depends=True),
             ),
             files=self.mofed.files,
+            present_if_odd=frozenset({self.mofed.blacklist}),
             listings=frozenset({paths.validations}),
         )
 
@@ -145,29 +147,42 @@ class PeermemGate:
         }
 
     def memory_from_json(self, data: Mapping[str, Any]) -> PeermemMemory:
+        """Strict: every field of the right JSON type, numbers finite (ValueError otherwise)."""
         try:
+            unknown = set(data) - _MEMORY_FIELDS
+            if unknown:
+                raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
+            pending = data.get("restart_pending", False)
+            if not isinstance(pending, bool):
+                raise ValueError("restart_pending is not a boolean")
             stale = data.get("stale_flag")
             if stale is not None:
-                inode, mtime_ns, ctime_ns = (int(x) for x in stale)
-                stale = FileId(inode, mtime_ns, ctime_ns)
+                if not (
+                    isinstance(stale, list) and len(stale) == 3 and all(_is_count(x) for x in stale)
+                ):
+                    raise ValueError("stale_flag is not [inode, mtime_ns, ctime_ns]")
+                stale = FileId(*stale)
+            failures = data.get("failures", 0)
+            if not _is_count(failures):
+                raise ValueError(f"failures is {failures!r}, not a count")
             retry_at = data.get("retry_at")
+            if retry_at is not None and not _is_finite(retry_at):
+                raise ValueError(f"retry_at is {retry_at!r}, not a finite time")
             last_error = data.get("last_error")
-            signals = data.get("last_signals", [])
-            if not isinstance(data.get("restart_pending", False), bool):
-                raise ValueError("restart_pending is not a boolean")
-            if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
-                raise ValueError("last_signals is not a list of strings")
             if last_error is not None and not isinstance(last_error, str):
                 raise ValueError("last_error is not a string")
+            signals = data.get("last_signals", [])
+            if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
+                raise ValueError("last_signals is not a list of strings")
             return PeermemMemory(
-                restart_pending=data.get("restart_pending", False),
+                restart_pending=pending,
                 stale_flag=stale,
-                failures=int(data.get("failures", 0)),
+                failures=failures,
                 retry_at=None if retry_at is None else float(retry_at),
                 last_error=last_error,
                 last_signals=tuple(signals),
             )
-        except (TypeError, ValueError, AttributeError) as exc:
+        except ValueError as exc:
             raise ValueError(f"peermem memory is malformed: {exc}") from None
 
     # -- the decision ---------------------------------------------------------
@@ -232,7 +247,8 @@ class PeermemGate:
             bl = snap.file(self.mofed.blacklist)
             evidence["mofed_blacklist"] = {"path": bl.path, "present": bl.present}
             if bl.present:
-                reasons.append(f"MOFED is restarting openibd ({bl.path} exists)")
+                odd = f"; {bl.problem}" if bl.problem else ""
+                reasons.append(f"MOFED is restarting openibd ({bl.path} exists{odd})")
 
         # 4, 5. the RDMA stack, live and the one on disk
         stack_ev: dict[str, Any] = {}
@@ -292,7 +308,9 @@ class PeermemGate:
         peermem = snap.module(PEERMEM)
         events: list[str] = []
         if signals:
-            if peermem is None or peermem.initstate == "going":
+            # The kernel refuses to unload a module that is not live (EBUSY): one still
+            # coming is unloaded on the pass that sees it live.
+            if peermem is None or peermem.initstate in ("going", "coming"):
                 return (), None, events
             if peermem.refcnt == 0:
                 return (
@@ -350,3 +368,16 @@ class PeermemGate:
         if outcome.kernel_messages:
             error += " — kernel: " + " | ".join(outcome.kernel_messages[-4:])
         return replace(memory, failures=failures, retry_at=now + delay, last_error=error)
+
+
+_MEMORY_FIELDS = frozenset(
+    {"restart_pending", "stale_flag", "failures", "retry_at", "last_error", "last_signals"}
+)
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
+
+
+def _is_finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

@@ -69,6 +69,8 @@ class NodeHands:
     kernel_log: KernelLog
     attempts: int = 3
     first_wait_s: float = 0.05
+    # The descriptor the observer read and checked a .ko from (None: not verified now).
+    verified_fd: Callable[[str], int | None] | None = None
 
 
 class Executor(Protocol):
@@ -115,10 +117,29 @@ class ModuleExecutor:
             raise StepFailed(str(exc), exc.errno, messages) from None
 
     def load_file(self, action: LoadModuleFile) -> None:
-        path = str(self.hands.host.path(action.path))
-        self._run(
-            "load", action.module, lambda: self.hands.ops.insert_file(path, action.params), True
-        )
+        """finit_module on the descriptor the gate verified: no second lookup by path.
+
+        Without an observer (tools, tests) the file is opened once, inside the
+        host root, and loaded by that descriptor.
+        """
+        if self.hands.verified_fd is not None:
+            fd = self.hands.verified_fd(action.path)
+            if fd is None:
+                raise NodeagentError(
+                    f"{action.path} changed or was not read cleanly since the gate checked it; "
+                    "it is checked again on the next pass"
+                )
+            self._insert(fd, action)
+            return
+        fd, _st = self.hands.host.open_regular(action.path, follow=True)
+        try:
+            self._insert(fd, action)
+        finally:
+            os.close(fd)
+
+    def _insert(self, fd: int, action: LoadModuleFile) -> None:
+        insert = functools.partial(self.hands.ops.insert_fd, fd, action.module, action.params)
+        self._run("load", action.module, insert, True)
 
     def load(self, action: LoadModule) -> None:
         """From the first tree whose modules.dep lists the module (ENOENT: try the next)."""
@@ -167,8 +188,10 @@ class Actuator:
         attempts: int = 3,
         first_wait_s: float = 0.05,
         executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
+        verified_fd: Callable[[str], int | None] | None = None,
     ) -> None:
-        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s)
+        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it)."""
+        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s, verified_fd)
         self.table: dict[type, Handler] = {}
         for make in executors:
             for kind, handler in make(hands).handlers().items():

@@ -7,7 +7,12 @@ coalesced into the next single pass.
 
 Directories that do not exist yet are watched from their nearest existing
 parent (watchdog raises on a missing directory); ``refresh()`` moves a watch
-down as directories appear.
+down as directories appear. When the kernel's inotify queue overflows, events
+were lost: that wakes the loop for a full pass at once (watchdog itself only
+rebuilds recursive watches and drops the overflow for ours).
+
+``StopOnSignal`` makes SIGTERM stop the daemon within its grace period
+whatever the main thread is doing.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import contextlib
 import logging
 import os
 import select
+import signal
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -110,7 +116,30 @@ class FileWatch:
 
         self._handler = Handler()
         self._observer.start()
+        self._watch_overflow()
         self.refresh()
+
+    def _watch_overflow(self) -> None:
+        """Wake the loop when the kernel drops inotify events (IN_Q_OVERFLOW).
+
+        watchdog hands an overflow to the callbacks registered on its inotify
+        descriptor; its own watch groups act on it only when recursive. Ours is
+        registered on the root with IN_MASK_ADD, so it never narrows the mask of
+        a watch watchdog already has there.
+        """
+        from watchdog.observers.inotify_c import InotifyConstants
+
+        inotify_fd = getattr(self._observer, "_inotify_fd", None)
+        if inotify_fd is None:  # a watchdog without a shared inotify descriptor
+            log.warning("inotify overflow is not observable; the periodic resync covers it")
+            return
+        mask = InotifyConstants.IN_DELETE_SELF | InotifyConstants.IN_MASK_ADD
+        try:
+            inotify_fd.add_callback(
+                os.fsencode(self.root), mask, _OverflowAlarm(self.poke), "nodeagent-overflow"
+            )
+        except OSError as exc:
+            log.warning("cannot watch for inotify overflow (%s); the resync covers it", exc)
 
     def relevant(self, p: Path) -> bool:
         # Something in a target directory, or a directory on the way to one appearing.
@@ -138,6 +167,75 @@ class FileWatch:
     def close(self) -> None:
         self._observer.stop()
         self._observer.join(timeout=1.0)
+
+
+class _OverflowAlarm:
+    """A watchdog WatchCallback that only cares about a queue overflow."""
+
+    def __init__(self, poke: Poke) -> None:
+        self.poke = poke
+
+    def on_event(self, event: Any) -> None:
+        pass
+
+    def on_watch_deleted(self, wd: Any) -> None:
+        pass
+
+    def on_queue_overflow(self) -> None:
+        self.poke.poke("inotify queue overflow: events were lost")
+
+
+class StopOnSignal:
+    """SIGTERM/SIGINT stop the daemon within ``grace_seconds``, whatever it is doing.
+
+    The signals are blocked in every thread and taken by one thread with
+    ``sigwait``, so they are seen at once even while the main thread is inside
+    a long C call (a Python handler would wait for it to return). That thread
+    asks the loop to stop; if the loop has not returned within the grace
+    period (a pass stuck in a read or a module load), the process exits there
+    and then with 143: every file the agent writes is written atomically and
+    guard memory ahead of actions, so this costs at most the pass in flight.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, stop: Callable[[], None], grace_seconds: float = 1.5) -> None:
+        self.stop = stop
+        self.grace = grace_seconds
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._old_mask: set[int | signal.Signals] | None = None
+
+    def __enter__(self) -> StopOnSignal:
+        # Before any other thread starts: threads inherit the mask.
+        self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        self._thread = threading.Thread(target=self._wait, name="nodeagent-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    def _wait(self) -> None:
+        sig = signal.sigwait(self.SIGNALS)
+        if self._done.is_set():
+            return  # woken by __exit__
+        log.info("%s: stopping", signal.Signals(sig).name)
+        self.stop()
+        if not self._done.wait(self.grace):
+            log.error(
+                "%s: the pass in flight did not finish within %.1fs; exiting now",
+                signal.Signals(sig).name,
+                self.grace,
+            )
+            logging.shutdown()
+            os._exit(128 + sig)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None and self._thread.is_alive() and self._thread.ident:
+            with contextlib.suppress(OSError, ProcessLookupError):
+                signal.pthread_kill(self._thread.ident, signal.SIGTERM)
+            self._thread.join(1.0)
+        if self._old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
 
 
 class UeventSource:

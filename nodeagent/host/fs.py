@@ -1,77 +1,262 @@
-"""Files under the host root: read without following links, write atomically.
+"""Files under the host root: resolved as if chrooted, read bounded, written atomically.
 
-Every path the agent touches is relative to one host root. Markers and state
-files are opened with O_NOFOLLOW: a symlink planted at ``.driver-ready`` or at
-the agent's own state file is reported, never followed. Writes go to a temp
-file in the same directory, are fsynced, then renamed over the target, and the
+The DaemonSet mounts the node's ``/`` at ``/host``; an absolute symlink under it
+(RHEL's ``weak-updates/`` module links, merged-``/usr`` hosts, a driver root
+that links elsewhere) means a path on the *node*, not in the container. Every
+path is therefore resolved inside the host root: ``openat2(RESOLVE_IN_ROOT |
+RESOLVE_NO_MAGICLINKS)`` (Linux >= 5.6, through a ctypes syscall), else a
+component-by-component walk with the same semantics (``..`` stops at the root,
+an absolute link restarts at the root, at most 40 links). Nothing resolves
+outside the root.
+
+Reads open with ``O_NONBLOCK|O_NOFOLLOW|O_CLOEXEC`` (``.ko`` files follow a
+final symlink, inside the root), ``fstat`` the descriptor and refuse anything
+that is not a regular file (a FIFO, a device, a directory), so no read can
+block; each read has a size cap. Writes go to a temp file in the same
+directory (created ``O_EXCL``), are fsynced, renamed over the target, and the
 directory is fsynced: a crash leaves either the old or the new file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from nodeagent.core.snapshot import FileFact, FileId
 from nodeagent.errors import NodeagentError
+
+# Size caps per kind of file (bytes).
+SYSFS_ATTR_MAX = 4096
+MARKER_MAX = 64 * 1024
+STATE_MAX = 1 << 20
+STATUS_MAX = 4 << 20
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (generic syscall table)
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_IN_ROOT = 0x10
+_MAX_LINKS = 40
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _load_syscall() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_long
+    return fn
+
+
+_syscall = _load_syscall()
+# None: not probed yet; False: this kernel (or seccomp profile) has no openat2.
+_have_openat2: bool | None = None
+
+
+def openat2_in_root(root_fd: int, rel: str, flags: int) -> int:
+    """openat2(root_fd, rel, {flags, RESOLVE_IN_ROOT|RESOLVE_NO_MAGICLINKS}); OSError on failure.
+
+    Raises OSError(ENOSYS) where the kernel has no openat2 (callers fall back).
+    """
+    global _have_openat2
+    if _syscall is None or _have_openat2 is False:
+        raise OSError(errno.ENOSYS, "openat2 unavailable")
+    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+    fd = _syscall(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(root_fd),
+        ctypes.c_char_p(os.fsencode(rel or ".")),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd < 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EPERM) and _have_openat2 is None:
+            _have_openat2 = False  # seccomp answers EPERM for unknown syscalls
+            raise OSError(errno.ENOSYS, "openat2 unavailable")
+        raise OSError(err, os.strerror(err), rel)
+    _have_openat2 = True
+    return int(fd)
+
+
+def walk_in_root(root_fd: int, rel: str, flags: int) -> int:
+    """The fallback: resolve ``rel`` one component at a time with chroot semantics.
+
+    Each component is opened ``O_PATH|O_NOFOLLOW`` relative to the directory
+    before it; a symlink's text is spliced into the remaining path (an
+    absolute one restarting at the root); ``..`` never climbs above the root.
+    The final component is opened with ``flags`` (``O_NOFOLLOW`` in ``flags``
+    refuses a final symlink with ELOOP, as openat2 does).
+    """
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    stack = [os.dup(root_fd)]  # directory fds from the root down
+    links = 0
+    try:
+        while parts:
+            comp = parts.pop(0)
+            if comp == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                continue
+            last = not parts
+            try:
+                st = os.stat(comp, dir_fd=stack[-1], follow_symlinks=False)
+            except FileNotFoundError:
+                if last and flags & os.O_CREAT:
+                    return os.open(comp, flags, 0o644, dir_fd=stack[-1])
+                raise
+            if stat.S_ISLNK(st.st_mode) and not (last and flags & os.O_NOFOLLOW):
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, "too many levels of symbolic links", rel)
+                target = os.readlink(comp, dir_fd=stack[-1])
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop())
+                parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+                continue
+            if last:
+                return os.open(comp, flags | os.O_NOFOLLOW, dir_fd=stack[-1])
+            if not stat.S_ISDIR(st.st_mode):
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), rel)
+            stack.append(
+                os.open(comp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=stack[-1])
+            )  # fmt: skip
+        return os.open(".", flags, dir_fd=stack[-1])  # rel named the root itself
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    kinds = {
+        stat.S_IFDIR: "a directory",
+        stat.S_IFIFO: "a FIFO",
+        stat.S_IFCHR: "a character device",
+        stat.S_IFBLK: "a block device",
+        stat.S_IFSOCK: "a socket",
+        stat.S_IFLNK: "a symlink",
+    }
+    return kinds.get(stat.S_IFMT(mode), "not a regular file")
+
+
+class NotRegularFile(OSError):
+    """A path that is a FIFO, device, directory or socket where a file was expected."""
 
 
 class HostRoot:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._root_fd: int | None = None
+
+    @property
+    def root_fd(self) -> int:
+        """An O_PATH descriptor of the root, opened once (reopened if closed)."""
+        if self._root_fd is None:
+            self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return self._root_fd
+
+    def close(self) -> None:
+        fd, self._root_fd = self._root_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
 
     def path(self, rel: str) -> Path:
+        """``rel`` as a path under the root, for naming and for watches (not for opening)."""
         rel = rel.lstrip("/")
         if ".." in Path(rel).parts:
             raise NodeagentError(f"path {rel!r} escapes the host root")
         return self.root / rel
 
-    # -- reading ------------------------------------------------------------
+    def rel_of(self, path: str | os.PathLike[str]) -> str:
+        """The root-relative spelling of a path under ``self.root``."""
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(self.root))
 
-    def read_text(self, rel: str, limit: int = 65536) -> str:
-        """Read a small file without following a final symlink. Raises OSError."""
-        return self.read_bytes(rel, limit).decode("utf-8", errors="replace")
+    # -- opening ------------------------------------------------------------
 
-    def read_bytes(self, rel: str, limit: int = 65536) -> bytes:
-        fd = os.open(self.path(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    def open(self, rel: str, flags: int = _READ_FLAGS, *, follow: bool = False) -> int:
+        """A descriptor for ``rel`` resolved inside the root. Raises OSError.
+
+        ``follow=False`` refuses a final symlink (ELOOP); intermediate links are
+        always followed, inside the root.
+        """
+        self.path(rel)  # refuse '..' in configured paths up front
+        flags |= os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+        try:
+            return openat2_in_root(self.root_fd, rel.lstrip("/"), flags)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+        return walk_in_root(self.root_fd, rel.lstrip("/"), flags)
+
+    def open_regular(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
+        """Open for reading, non-blocking; refuse anything but a regular file."""
+        fd = self.open(rel, _READ_FLAGS, follow=follow)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            chunks = []
-            left = limit
-            while left > 0:
-                chunk = os.read(fd, min(left, 65536))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
+                raise NotRegularFile(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    # -- reading ------------------------------------------------------------
+
+    def read_text(self, rel: str, limit: int = SYSFS_ATTR_MAX) -> str:
+        """Read a small file without following a final symlink. Raises OSError."""
+        return self.read_bytes(rel, limit).decode("utf-8", errors="replace")
+
+    def read_bytes(self, rel: str, limit: int = SYSFS_ATTR_MAX, *, follow: bool = False) -> bytes:
+        """The whole file, at most ``limit`` bytes (EFBIG beyond; sysfs sizes are not real)."""
+        fd, _st = self.open_regular(rel, follow=follow)
+        try:
+            return read_capped(fd, limit)
         finally:
             os.close(fd)
 
-    def file_fact(self, rel: str) -> FileFact:
-        """A marker file: presence and identity; a symlink or non-file is absent, with a problem."""
-        p = self.path(rel)
+    def file_fact(self, rel: str, *, odd_is_present: bool = False) -> FileFact:
+        """A marker file: presence and identity.
+
+        A symlink, directory, FIFO or unreadable entry is "odd": it counts as
+        absent by default (a ready flag must be a real file) and as present with
+        ``odd_is_present`` (a marker whose presence means "stop"), with a problem
+        naming what it is either way.
+        """
+        parent, _, name = rel.strip("/").rpartition("/")
         try:
-            st = os.lstat(p)
+            dfd = self.open(parent or ".", os.O_PATH | os.O_DIRECTORY, follow=True)
         except FileNotFoundError:
             return FileFact(path=rel, present=False)
         except OSError as exc:
-            return FileFact(path=rel, present=False, problem=f"cannot stat: {exc.strerror}")
+            return self._odd(rel, f"cannot open its directory: {exc.strerror}", odd_is_present)
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            target = os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else ""
+        except FileNotFoundError:
+            return FileFact(path=rel, present=False)
+        except OSError as exc:
+            return self._odd(rel, f"cannot stat: {exc.strerror}", odd_is_present)
+        finally:
+            os.close(dfd)
         if stat.S_ISLNK(st.st_mode):
-            try:
-                target = os.readlink(p)
-            except OSError:
-                target = "?"
-            return FileFact(
-                path=rel, present=False, problem=f"is a symlink to {target!r}, not a file; ignored"
-            )
+            return self._odd(rel, f"is a symlink to {target!r}, not a file", odd_is_present)
         if not stat.S_ISREG(st.st_mode):
-            return FileFact(path=rel, present=False, problem="is not a regular file; ignored")
+            return self._odd(rel, f"is {_kind(st.st_mode)}, not a regular file", odd_is_present)
         return FileFact(
             path=rel,
             present=True,
@@ -79,83 +264,135 @@ class HostRoot:
             device=(os.major(st.st_dev), os.minor(st.st_dev)),
         )
 
+    @staticmethod
+    def _odd(rel: str, what: str, present: bool) -> FileFact:
+        counted = "counted as present" if present else "ignored"
+        return FileFact(path=rel, present=present, problem=f"{what}; {counted}")
+
     def listdir(self, rel: str) -> list[str]:
+        """Sorted names in a directory (inside the root); [] when it is missing."""
         try:
-            return sorted(os.listdir(self.path(rel)))
+            fd = self.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK, follow=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
 
     # -- writing ------------------------------------------------------------
 
-    def ensure_dir(self, rel: str) -> Path:
-        """Create ``rel`` and its parents as real directories; refuse a symlink on the way."""
-        cur = self.root
-        for part in Path(rel.lstrip("/")).parts:
-            cur = cur / part
-            try:
-                st = os.lstat(cur)
-            except FileNotFoundError:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(cur, 0o755)
-                st = os.lstat(cur)
-            if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-                raise NodeagentError(f"{cur} is not a directory (a symlink or a file); refusing")
-        return cur
+    def open_dir(self, rel: str, *, create: bool) -> int:
+        """A descriptor of directory ``rel``; parts created when asked; symlinks refused.
 
-    def write_atomic(self, rel: str, data: bytes, mode: int = 0o644) -> None:
-        target = self.path(rel)
-        parent = (
-            self.ensure_dir(str(Path(rel).parent)) if Path(rel).parent != Path(".") else self.root
-        )
+        The agent's own directories are real directories: a symlink on the way
+        (even one that stays inside the root) is refused, not followed.
+        """
+        fd = os.dup(self.root_fd)
+        cur = self.root
         try:
-            st = os.lstat(target)
-            if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-                raise NodeagentError(
-                    f"{target} is a symlink or not a regular file; refusing to write"
-                )
-        except FileNotFoundError:
-            pass
-        tmp = parent / f".{target.name}.tmp.{os.getpid()}"
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode
-        )
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
+            for part in Path(rel.strip("/")).parts:
+                if part == "..":
+                    raise NodeagentError(f"path {rel!r} escapes the host root")
+                cur = cur / part
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                try:
+                    nxt = os.open(
+                        part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+                    )
+                except (NotADirectoryError, OSError) as exc:
+                    if isinstance(exc, FileNotFoundError):
+                        raise
+                    if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                        raise NodeagentError(
+                            f"{cur} is not a directory (a symlink or a file); refusing"
+                        ) from None
+                    raise
+                os.close(fd)
+                fd = nxt
         except BaseException:
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             raise
-        os.close(fd)
-        os.replace(tmp, target)
-        _fsync_dir(parent)
+        return fd
+
+    def ensure_dir(self, rel: str) -> Path:
+        """Create ``rel`` and its parents as real directories; refuse a symlink on the way."""
+        os.close(self.open_dir(rel, create=True))
+        return self.path(rel)
+
+    def write_atomic(self, rel: str, data: bytes, mode: int = 0o644) -> None:
+        parent, _, name = rel.strip("/").rpartition("/")
+        dfd = self.open_dir(parent, create=True)
+        try:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise NodeagentError(
+                        f"{self.path(rel)} is {_kind(st.st_mode)}, not a regular file; "
+                        "refusing to write"
+                    )
+            except FileNotFoundError:
+                pass
+            tmp = f".{name}.tmp.{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)  # a leftover of a crashed writer with our pid
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags | os.O_NONBLOCK, mode, dir_fd=dfd)
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
+            os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def remove(self, rel: str) -> bool:
         """Remove a file (never a directory); a missing file is fine. True when something went."""
-        target = self.path(rel)
+        parent, _, name = rel.strip("/").rpartition("/")
         try:
-            st = os.lstat(target)
+            dfd = self.open_dir(parent, create=False)
         except FileNotFoundError:
             return False
-        if stat.S_ISDIR(st.st_mode):
-            raise NodeagentError(f"{target} is a directory; refusing to remove")
-        os.unlink(target)
-        _fsync_dir(target.parent)
-        return True
+        try:
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if stat.S_ISDIR(st.st_mode):
+                raise NodeagentError(f"{self.path(rel)} is a directory; refusing to remove")
+            os.unlink(name, dir_fd=dfd)
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+            return True
+        finally:
+            os.close(dfd)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def read_capped(fd: int, limit: int) -> bytes:
+    """Read to EOF from ``fd``; OSError(EFBIG) past ``limit`` bytes (no up-front buffer)."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        try:
+            chunk = os.read(fd, min(65536, limit + 1 - total))
+        except BlockingIOError:
+            raise OSError(errno.EAGAIN, "would block") from None
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+    return b"".join(chunks)

@@ -5,6 +5,12 @@ runs ``insmod``/``rmmod``/``modprobe`` (argv lists, never a shell) and maps
 their messages back to an errno. Both check every module name and parameter
 with ``nodeagent.core.names`` before anything reaches the kernel or an argv.
 
+A verified file is loaded by descriptor (``insert_fd``): ``finit_module(2)``
+on the very descriptor the agent read and checked, never a second lookup by
+path. Compressed modules go to the kernel with ``MODULE_INIT_COMPRESSED_FILE``
+(Linux >= 6.4); older kernels get the image decompressed from that same
+descriptor through ``init_module(2)``, as libkmod does.
+
 Neither runs modprobe.d ``install``/``remove`` commands (libkmod would run them
 through ``system()``; the agent's own gate may be such a hook), and by default
 neither reads any modprobe.d configuration: what is loaded is exactly what was
@@ -32,12 +38,24 @@ __all__ = [
     "ModuleOps",
     "default_module_ops",
     "errno_from_message",
+    "insert_module_fd",
 ]
 
 # libkmod.h
 _KMOD_PROBE_IGNORE_COMMAND = 0x00004
 _KMOD_PROBE_DRY_RUN = 0x00010
 _KMOD_REMOVE_NOWAIT = os.O_NONBLOCK  # libkmod forces it anyway
+
+
+# (finit_module, init_module) syscall numbers per machine (asm/unistd.h).
+_SYSCALLS = {
+    "x86_64": (313, 175),
+    "aarch64": (273, 105),
+    "ppc64le": (353, 128),
+    "s390x": (344, 128),
+}
+_MODULE_INIT_COMPRESSED_FILE = 4
+_COMPRESSED_MAGIC = (b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd", b"\x1f\x8b")
 
 
 class ModuleOpError(Exception):
@@ -59,6 +77,10 @@ class ModuleOpError(Exception):
 class ModuleOps(Protocol):
     def insert_file(self, path: str, params: Sequence[str]) -> None:
         """Load exactly this file (no dependency probing), like insmod."""
+        ...
+
+    def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
+        """Load the module open at ``fd`` (the very file that was verified), like insmod."""
         ...
 
     def remove(self, name: str) -> None:
@@ -92,6 +114,55 @@ def _check_params(params: Sequence[str]) -> list[str]:
     if isinstance(params, str):
         raise NodeagentError(f"module parameters must be a sequence of strings, not {params!r}")
     return [validate_module_param(p) for p in params]
+
+
+def _syscall_fn() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.syscall
+    fn.restype = ctypes.c_long
+    return fn
+
+
+def insert_module_fd(fd: int, name: str, params: Sequence[str]) -> None:
+    """finit_module(2) on ``fd``; ModuleOpError with the kernel's errno on refusal.
+
+    A compressed module is offered to the kernel as such first; a kernel that
+    cannot decompress (EINVAL/EOPNOTSUPP for the flag) gets the image this
+    process decompresses from the same descriptor, through init_module(2).
+    """
+    from nodeagent.host.modfile import ModuleFileError, module_image_fd
+
+    name = validate_module_name(name)
+    options = " ".join(_check_params(params)).encode()
+    numbers = _SYSCALLS.get(os.uname().machine)
+    if numbers is None:
+        raise ModuleOpError(
+            "load", name, errno_mod.ENOSYS, f"no syscall table for {os.uname().machine}"
+        )
+    finit_nr, init_nr = numbers
+    syscall = _syscall_fn()
+    head = os.pread(fd, 6, 0)
+    compressed = head.startswith(_COMPRESSED_MAGIC)
+    rc = syscall(
+        ctypes.c_long(finit_nr),
+        ctypes.c_int(fd),
+        ctypes.c_char_p(options),
+        ctypes.c_int(_MODULE_INIT_COMPRESSED_FILE if compressed else 0),
+    )
+    err = ctypes.get_errno() if rc < 0 else 0
+    if compressed and err in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
+        try:
+            image = module_image_fd(fd, f"{name}.ko")
+        except ModuleFileError as exc:
+            raise ModuleOpError("load", name, errno_mod.ENOEXEC, str(exc)) from None
+        writable = image if isinstance(image, bytearray) else bytearray(image)
+        buf = (ctypes.c_char * len(writable)).from_buffer(writable)  # no copy of the image
+        rc = syscall(
+            ctypes.c_long(init_nr), buf, ctypes.c_ulong(len(buf)), ctypes.c_char_p(options)
+        )
+        err = ctypes.get_errno() if rc < 0 else 0
+    if err:
+        raise ModuleOpError("load", name, err, f"from descriptor {fd}")
 
 
 def _check_moddir(moddir: str) -> str:
@@ -215,6 +286,9 @@ class LibKmod:
             self._lib.kmod_unref(ctx)
         if rc:
             raise ModuleOpError("load", name, -rc if rc < 0 else errno_mod.EIO, abspath)
+
+    def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
+        insert_module_fd(fd, name, params)  # the syscall itself: libkmod only takes paths
 
     def remove(self, name: str) -> None:
         name = validate_module_name(name)
@@ -387,6 +461,9 @@ class ModprobeTools:
         abspath, name = _check_path(path)
         args = _check_params(params)
         self._run("load", name, [self.insmod, abspath, *args])
+
+    def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
+        insert_module_fd(fd, name, params)  # insmod takes a path; the syscall takes the fd
 
     def remove(self, name: str) -> None:
         name = validate_module_name(name)

@@ -20,10 +20,12 @@ import os
 import stat
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from nodeagent.core.names import normalize_module_name
+from nodeagent.host.fs import read_capped
 
 __all__ = ["find_module", "module_dependencies"]
 
@@ -69,10 +71,22 @@ def _parse(text: str) -> dict[str, _Entry]:
     return entries
 
 
-def _load(moddir: str | os.PathLike[str]) -> dict[str, _Entry] | None:
+Opener = Callable[[str], int]
+
+
+def _open_plain(path: str) -> int:
+    # Non-blocking: a FIFO planted at modules.dep must not hang the agent (refused below).
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def _load(moddir: str | os.PathLike[str], opener: Opener | None = None) -> dict[str, _Entry] | None:
+    """The parsed ``modules.dep``; None when missing, unreadable, not a file or over the cap.
+
+    ``opener`` opens the file (the agent's resolves it inside the host root).
+    """
     depfile = os.path.join(os.fspath(moddir), "modules.dep")
     try:
-        fd = os.open(depfile, os.O_RDONLY | os.O_CLOEXEC)
+        fd = (opener or _open_plain)(depfile)
     except OSError:
         return None
     try:
@@ -85,8 +99,7 @@ def _load(moddir: str | os.PathLike[str]) -> dict[str, _Entry] | None:
             if hit is not None:
                 _cache.move_to_end(key)
                 return hit
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(min(st.st_size, _MAX_MODULES_DEP) + 1)  # not 64 MiB up front
+        raw = read_capped(fd, _MAX_MODULES_DEP)
     except OSError:
         return None
     finally:
@@ -124,13 +137,15 @@ def _inside(moddir: str, relpath: str) -> Path | None:
     return None
 
 
-def find_module(moddir: str | os.PathLike[str], name: str) -> Path | None:
+def find_module(
+    moddir: str | os.PathLike[str], name: str, opener: Opener | None = None
+) -> Path | None:
     """The file ``modules.dep`` names for ``name``, or None.
 
     None when ``modules.dep`` is missing or unreadable, the module is not
-    listed, or its path escapes ``moddir``. The file itself is not opened.
+    listed, or its path escapes ``moddir``. The module file itself is not opened.
     """
-    entries = _load(moddir)
+    entries = _load(moddir, opener)
     if entries is None:
         return None
     entry = entries.get(normalize_module_name(name))
@@ -139,13 +154,15 @@ def find_module(moddir: str | os.PathLike[str], name: str) -> Path | None:
     return _inside(os.fspath(moddir), entry.relpath)
 
 
-def module_dependencies(moddir: str | os.PathLike[str], name: str) -> tuple[str, ...]:
+def module_dependencies(
+    moddir: str | os.PathLike[str], name: str, opener: Opener | None = None
+) -> tuple[str, ...]:
     """Names of the modules ``name`` depends on, as listed in ``modules.dep``.
 
     In modules.dep order (modprobe loads them last to first). ``()`` when the
     module has none or is not listed (use ``find_module`` to tell these apart).
     """
-    entries = _load(moddir)
+    entries = _load(moddir, opener)
     if entries is None:
         return ()
     entry = entries.get(normalize_module_name(name))

@@ -21,12 +21,14 @@ import gzip
 import io
 import lzma
 import os
+import stat
 import struct
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import IO, Protocol, cast
 
 from nodeagent.core.names import normalize_module_name
 from nodeagent.errors import NodeagentError
@@ -36,15 +38,17 @@ __all__ = [
     "ModuleFile",
     "ModuleFileError",
     "decompress_module",
+    "module_image_fd",
     "module_name_from_path",
     "parse_build_id_note",
     "parse_module_bytes",
+    "read_module_fd",
     "read_module_file",
 ]
 
 # Upper bound on a module's (decompressed) size: nvidia.ko is ~100 MiB with
-# debug info; anything far beyond that is garbage or a decompression bomb.
-MAX_MODULE_SIZE = 1 << 30
+# debug info; anything beyond that is garbage or a decompression bomb.
+MAX_MODULE_SIZE = 256 << 20
 
 _ELF_MAGIC = b"\x7fELF"
 _XZ_MAGIC = b"\xfd7zXZ\x00"
@@ -132,7 +136,7 @@ def module_name_from_path(path: str | os.PathLike[str]) -> str:
 class _Elf:
     """Bounds-checked view of an ELF64 LE image; every failure is ModuleFileError."""
 
-    def __init__(self, data: bytes, path: str) -> None:
+    def __init__(self, data: bytes | bytearray, path: str) -> None:
         self.data = data
         self.path = path
         self.sections: list[_Section] = []
@@ -201,7 +205,7 @@ class _Elf:
                 f"truncated ELF file: section {label or sec.name or sec.index} "
                 f"(offset {sec.offset}, size {sec.size}) is past the end ({len(self.data)} bytes)"
             )
-        return self.data[sec.offset : sec.offset + sec.size]
+        return bytes(self.data[sec.offset : sec.offset + sec.size])
 
     def section(self, index: int, what: str) -> _Section:
         if not 0 <= index < len(self.sections):
@@ -360,10 +364,10 @@ def _parse_exported_crcs(elf: _Elf) -> dict[str, int]:
     return crcs
 
 
-def parse_module_bytes(data: bytes, path: str) -> ModuleFile:
+def parse_module_bytes(data: bytes | bytearray, path: str) -> ModuleFile:
     """Parse an uncompressed ELF kernel module image; ``path`` is only for naming."""
     try:
-        elf = _Elf(bytes(data), path)
+        elf = _Elf(data if isinstance(data, bytes | bytearray) else bytes(data), path)
         info = _parse_modinfo(elf)
         build_id = _parse_build_id(elf)
         required = _parse_versions(elf)
@@ -390,63 +394,156 @@ class _Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
 
 
-def _read_limited(stream: _Readable, path: str) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
+# An ELF module ends with its section header table; a signed one has its
+# signature (well under this) after that.
+_TRAILER_SLACK = 64 * 1024
+
+
+def _declared_size(head: bytes) -> int | None:
+    """Where an ELF64 LE image says it ends (end of its section headers), from its header."""
+    if len(head) < _EHDR.size or head[:4] != _ELF_MAGIC or head[4] != _ELFCLASS64:
+        return None
+    fields = _EHDR.unpack_from(head, 0)
+    e_shoff, e_shentsize, e_shnum = fields[6], fields[11], fields[12]
+    if e_shnum == 0:  # extended numbering: the count is in section header 0
+        return None
+    return int(e_shoff) + int(e_shentsize) * int(e_shnum)
+
+
+def _read_bounded(stream: _Readable, path: str, cap: int, what: str) -> bytearray:
+    """Read ``stream`` to its end into one buffer, refusing more than the image can be.
+
+    The bound is ``cap``, and once the first bytes are in, what the ELF header
+    declares (plus a signature's worth): a decompression bomb is refused after
+    the first chunk (not ELF) or at the size its own header claims, so the
+    peak memory is the size of a real module, never ``cap`` of garbage.
+    """
+    out = bytearray()
+    limit = cap
+    checked = False
     while True:
         chunk = stream.read(1 << 20)
         if not chunk:
             break
-        total += len(chunk)
-        if total > MAX_MODULE_SIZE:
-            raise ModuleFileError(f"{path}: decompressed size exceeds {MAX_MODULE_SIZE} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        out += chunk
+        if not checked and len(out) >= _EHDR.size:
+            checked = True
+            if out[:4] != _ELF_MAGIC:
+                raise ModuleFileError(f"{path}: {what} is not an ELF file (bad magic)")
+            declared = _declared_size(bytes(out[: _EHDR.size]))
+            if declared is not None:
+                if declared > cap:
+                    raise ModuleFileError(
+                        f"{path}: image exceeds {cap} bytes (its ELF header declares {declared})"
+                    )
+                limit = min(cap, declared + _TRAILER_SLACK)
+        if len(out) > limit:
+            raise ModuleFileError(f"{path}: {what} exceeds {limit} bytes (cap {cap})")
+    return out  # a bytearray: no second copy of the image
 
 
-def _zstd(data: bytes, path: str) -> bytes:
-    import zstandard  # only when a .ko.zst is met: `nodeagent check` imports it lazily
+def _decompressor(head: bytes, fileobj: IO[bytes]) -> _Readable | None:
+    if head.startswith(_XZ_MAGIC):
+        return lzma.LZMAFile(fileobj)
+    if head.startswith(_ZSTD_MAGIC):
+        import zstandard  # only when a .ko.zst is met: `nodeagent check` imports it lazily
 
+        return zstandard.ZstdDecompressor().stream_reader(fileobj, read_across_frames=True)
+    if head.startswith(_GZIP_MAGIC):
+        return gzip.GzipFile(fileobj=fileobj)
+    return None
+
+
+def _zstd_errors() -> tuple[type[Exception], ...]:
+    """zstandard's error class once it is imported (it is imported only for a .ko.zst)."""
+    zstd = sys.modules.get("zstandard")
+    return (zstd.ZstdError,) if zstd is not None else ()
+
+
+def _decompress_stream(head: bytes, fileobj: IO[bytes], path: str, cap: int) -> bytes | bytearray:
+    """The ELF image from ``fileobj`` (compressed by magic, or plain), streamed and capped."""
     try:
-        dctx = zstandard.ZstdDecompressor()
-        with dctx.stream_reader(io.BytesIO(data), read_across_frames=True) as zr:
-            return _read_limited(zr, path)
-    except zstandard.ZstdError as exc:
-        raise ModuleFileError(_one_line(f"{path}: cannot decompress: {exc}")) from exc
-
-
-def decompress_module(data: bytes, path: str) -> bytes:
-    """Return the ELF image inside ``data`` (xz, zstd, gzip or already plain)."""
-    try:
-        if data.startswith(_XZ_MAGIC):
-            with lzma.LZMAFile(io.BytesIO(data)) as xzf:
-                return _read_limited(xzf, path)
-        if data.startswith(_ZSTD_MAGIC):
-            return _zstd(data, path)
-        if data.startswith(_GZIP_MAGIC):
-            with gzip.GzipFile(fileobj=io.BytesIO(data)) as gzf:
-                return _read_limited(gzf, path)
+        reader = _decompressor(head, fileobj)
+        if reader is None:
+            for suffix in _COMPRESSED_SUFFIXES:
+                if path.endswith(suffix) and not head.startswith(_ELF_MAGIC):
+                    raise ModuleFileError(f"{path}: not {suffix[1:]} data (bad magic)")
+            return _read_bounded(fileobj, path, cap, "file")
+        with reader:  # type: ignore[attr-defined]
+            return _read_bounded(reader, path, cap, "decompressed data")
     except ModuleFileError:
         raise
-    except (lzma.LZMAError, zlib.error, EOFError, OSError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (lzma.LZMAError, zlib.error, EOFError, OSError, *_zstd_errors())):
+            raise
         raise ModuleFileError(_one_line(f"{path}: cannot decompress: {exc}")) from exc
-    for suffix in _COMPRESSED_SUFFIXES:
-        if path.endswith(suffix) and not data.startswith(_ELF_MAGIC):
-            raise ModuleFileError(f"{path}: not {suffix[1:]} data (bad magic)")
-    return data
+
+
+def decompress_module(data: bytes, path: str) -> bytes | bytearray:
+    """Return the ELF image inside ``data`` (xz, zstd, gzip or already plain)."""
+    if _decompressor(data[:8], io.BytesIO()) is None:
+        for suffix in _COMPRESSED_SUFFIXES:
+            if path.endswith(suffix) and not data.startswith(_ELF_MAGIC):
+                raise ModuleFileError(f"{path}: not {suffix[1:]} data (bad magic)")
+        return data
+    return _decompress_stream(data[:8], io.BytesIO(data), path, MAX_MODULE_SIZE)
+
+
+def read_module_fd(fd: int, path: str, cap: int | None = None) -> ModuleFile:
+    """Read (from offset 0), decompress and parse the module open at ``fd`` (not closed).
+
+    ``path`` only names the file in errors. The compressed input is streamed,
+    never held whole; the image is bounded as ``_read_bounded`` says.
+    """
+    return parse_module_bytes(module_image_fd(fd, path, cap), path)
+
+
+def module_image_fd(fd: int, path: str, cap: int | None = None) -> bytes | bytearray:
+    """The uncompressed ELF image of the module open at ``fd`` (read with pread, from 0)."""
+    cap = MAX_MODULE_SIZE if cap is None else cap
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ModuleFileError(f"{path}: cannot read: not a regular file")
+        if st.st_size > cap:
+            raise ModuleFileError(f"{path}: file size {st.st_size} exceeds {cap} bytes")
+        if st.st_size == 0:
+            raise ModuleFileError(f"{path}: not an ELF file (empty)")
+        raw = _FdReader(fd)
+        head = raw.peek(8)
+        return _decompress_stream(head, cast(IO[bytes], io.BufferedReader(raw)), path, cap)
+    except OSError as exc:
+        raise ModuleFileError(_one_line(f"{path}: cannot read: {exc.strerror or exc}")) from exc
+
+
+class _FdReader(io.RawIOBase):
+    """A positional reader over a borrowed descriptor (pread: the fd's offset is untouched)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
+        data = os.pread(self.fd, len(b), self.pos)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def peek(self, n: int) -> bytes:
+        return os.pread(self.fd, n, 0)
 
 
 def read_module_file(path: str | os.PathLike[str]) -> ModuleFile:
     """Read, decompress (by magic; the suffix only names the format) and parse."""
     spath = os.fspath(path)
     try:
-        with open(spath, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > MAX_MODULE_SIZE:
-                raise ModuleFileError(f"{spath}: file size {size} exceeds {MAX_MODULE_SIZE} bytes")
-            # In chunks: read(MAX_MODULE_SIZE + 1) allocates 1 GiB up front
-            # (MemoryError on a 1 GiB guest).
-            data = _read_limited(f, spath)
+        fd = os.open(spath, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ModuleFileError(_one_line(f"{spath}: cannot read: {exc.strerror or exc}")) from exc
-    return parse_module_bytes(decompress_module(data, spath), spath)
+    try:
+        return read_module_fd(fd, spath)
+    finally:
+        os.close(fd)

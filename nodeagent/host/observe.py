@@ -6,7 +6,10 @@ closure, .ko files, marker files, listings, locks, mounts, NVMe controllers,
 SR-IOV PFs), so a pass costs the same on a 50-module node and a 5000-module
 one. Malformed values never raise: they become ``problems`` on the fact they
 concern, which the guards turn into reasons. Parsed .ko files are cached by
-(inode, mtime, size); ``modules.dep`` is indexed once per file identity.
+their identity (device, inode, mtime, ctime, size); ``modules.dep`` is
+indexed once per file identity. The descriptor each cached .ko was read from
+stays open: a load inserts that very file (``verified_fd``), never a second
+lookup by path. Every path resolves inside the host root (``fs.HostRoot``).
 
 The readers of /proc/locks, mountinfo, NVMe controllers and SR-IOV PFs are
 injectable (``Readers``), as ``ModuleOps`` is for module operations, so the
@@ -15,11 +18,11 @@ simulator and tests plug in the same way for every guard.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -41,12 +44,14 @@ from nodeagent.host.modfile import (
     ModuleFile,
     ModuleFileError,
     parse_build_id_note,
-    read_module_file,
+    read_module_fd,
 )
 
 # A reader returns its facts and the one-line problems met reading them.
 Reader = Callable[[], tuple[tuple[Any, ...], list[str]]]
 _CHAIN_LIMIT = 512  # modules in one chain closure; a real RDMA storage chain has ~30
+_KO_CACHE_MAX = 64  # each entry holds an open descriptor
+_KoKey = tuple[str, int, int, int, int, int]
 
 
 def no_sriov() -> tuple[tuple[Any, ...], list[str]]:
@@ -94,7 +99,9 @@ class Observer:
             lambda: read_nvmet_ports(host, cfg.paths.nvmet_ports)
         )
         self.read_sriov: Reader = readers.sriov
-        self._ko_cache: dict[tuple[str, int, int, int], ModuleFile | str] = {}
+        # identity key -> (parse result, the descriptor it was read from)
+        self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
+        self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
 
     # -- loaded modules -----------------------------------------------------
 
@@ -132,7 +139,7 @@ class Observer:
         refcnt: int | None = None
         raw_ref = self._attr(d, "refcnt", problems)
         if raw_ref is not None:
-            if raw_ref.isdigit():
+            if raw_ref.isascii() and raw_ref.isdigit():  # "²".isdigit() is True
                 refcnt = int(raw_ref)
             else:
                 problems.append(f"refcnt is {raw_ref[:40]!r} (not a number)")
@@ -185,11 +192,11 @@ class Observer:
         """The file modules.dep names for ``name`` in the first driver tree that lists it."""
         dirs = [tree_moddir(t, kernel) for t in trees]
         for rel_dir in dirs:
-            found = find_module(self.host.path(rel_dir), name)
+            found = find_module(self.host.path(rel_dir), name, self._open_in_root)
             if found is None:
                 continue
-            rel = os.path.relpath(found, self.host.root)
-            parsed = self._parse_ko(Path(found))
+            rel = self.host.rel_of(found)
+            parsed = self._parse_ko(rel)
             if isinstance(parsed, str):
                 return DiskModule(name=name, path=rel, problem=parsed)
             return disk_module(parsed, rel, name)
@@ -197,25 +204,62 @@ class Observer:
             name=name, path=None, problem=f"not in modules.dep under {' or '.join(dirs)}"
         )
 
-    def _parse_ko(self, path: Path) -> ModuleFile | str:
+    def _open_in_root(self, path: str) -> int:
+        return self.host.open(self.host.rel_of(path), follow=True)
+
+    def _parse_ko(self, rel: str) -> ModuleFile | str:
+        """Parse the .ko at ``rel`` (resolved inside the root); a string says what is wrong."""
         try:
-            st = os.stat(path)
+            fd, st = self.host.open_regular(rel, follow=True)
         except OSError as exc:
-            return f"cannot stat {path.name}: {exc.strerror}"
-        key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
+            self._verified.pop(rel, None)
+            return f"cannot read {rel}: {exc.strerror or exc}"
+        key: _KoKey = (rel, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
         cached = self._ko_cache.get(key)
         if cached is not None:
-            return cached
-        try:
-            result: ModuleFile | str = read_module_file(path)
-        except ModuleFileError as exc:
-            result = str(exc)
-        except OSError as exc:
-            result = f"cannot read {path.name}: {exc.strerror}"
-        if len(self._ko_cache) > 256:
-            self._ko_cache.clear()
-        self._ko_cache[key] = result
+            os.close(fd)
+            result, fd = cached
+        else:
+            try:
+                result = read_module_fd(fd, rel)
+            except ModuleFileError as exc:
+                result = str(exc)
+            if len(self._ko_cache) >= _KO_CACHE_MAX:
+                self._drop_cache()
+            self._ko_cache[key] = (result, fd)
+        if isinstance(result, str):
+            self._verified.pop(rel, None)
+        else:
+            self._verified[rel] = (fd, key)
         return result
+
+    def _drop_cache(self) -> None:
+        for _result, fd in self._ko_cache.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._ko_cache.clear()
+        self._verified.clear()
+
+    def verified_fd(self, rel: str) -> int | None:
+        """The open descriptor of the .ko this observer last read and parsed at ``rel``.
+
+        None when it was not read cleanly, or the file behind the descriptor
+        changed since (size, mtime or ctime): it must be verified again first.
+        """
+        entry = self._verified.get(rel)
+        if entry is None:
+            return None
+        fd, key = entry
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size) != key[1:]:
+            return None
+        return fd
+
+    def close(self) -> None:
+        self._drop_cache()
 
     # -- the whole node -------------------------------------------------------
 
@@ -250,7 +294,13 @@ class Observer:
             kernel=kernel,
             modules=MappingProxyType(dict(sorted(modules.items()))),
             disk=MappingProxyType(disk),
-            files=MappingProxyType({f: self.host.file_fact(f) for f in sorted(needs.files)}),
+            files=MappingProxyType(
+                {
+                    # A marker whose presence means "stop" counts as present in an odd form.
+                    f: self.host.file_fact(f, odd_is_present=f in needs.present_if_odd)
+                    for f in sorted(needs.files)
+                }
+            ),
             listings=MappingProxyType(
                 {d: tuple(self.host.listdir(d)) for d in sorted(needs.listings)}
             ),
@@ -328,7 +378,7 @@ class Observer:
             problems.append(f"module chain larger than {_CHAIN_LIMIT} modules; truncated")
         for name in sorted(up):
             for d in dirs:
-                for dep in module_dependencies(d, name):
+                for dep in module_dependencies(d, name, self._open_in_root):
                     read(dep)
 
 

@@ -1,19 +1,25 @@
-"""The parties that touch the node's modules, replaying what the seeds show.
+"""The parties that touch the node's modules, replaying what the shipped containers do.
 
 Each actor is a thread on the simulator's virtual clock that reads like the
-script it models:
+script it models. The operator containers behave as the shipped ones do in the
+node's deployment mode (``node.mode``, ``nodeagent/sim/modes.py``) and know
+nothing of nodeagent:
 
 - ``mofed_container``: the Network Operator's MOFED/DOCA driver container
-  (clear the ready flag, compile in the driver toolkit, install, write the
-  blacklist, ``openibd restart``, restore VFs serially with a fixed delay and
-  exit on the first VF whose netdev is missing, set the ready flag); refuses
-  to start over loaded storage modules unless ``UNLOAD_STORAGE_MODULES``;
-- ``gpu_driver_container`` (+ its init container ``k8s-driver-manager``):
+  (clear the ready flag, unload an idle nvidia_peermem, compile in the driver
+  toolkit, install, write the blacklist, ``openibd restart``, restore VFs
+  serially with a fixed delay and exit on the first VF whose netdev is missing,
+  set the ready flag); refuses to start over loaded storage modules unless
+  ``UNLOAD_STORAGE_MODULES``;
+- ``gpu_driver_container`` (+ its init container ``k8s-driver-manager``, which
+  waits once per pod for the ready flag or any ``mlx5_core``, per the mode):
   builds ``nvidia_peermem`` against the MOFED headers present at that moment,
   loads ``nvidia``, ``nvidia_uvm``, ``nvidia_modeset`` and then
-  ``nvidia_peermem`` with no wait; next to nodeagent it waits for the agent's
-  gate instead;
-- ``peermem_sidecar``: ``nvidia-peermem-ctr``, polling every 10 s;
+  ``nvidia_peermem`` with no wait (``driver.rdma.enabled``);
+- ``peermem_sidecar``: ``nvidia-peermem-ctr`` (``reload_nvidia_peermem``):
+  waits for the ready flag (or ``mlx5_core``) and ``.driver-ctr-ready``, loads
+  once, exits 1 on failure; its startup and liveness probes restart it when
+  ``mlx5_core`` is loaded and ``nvidia_peermem`` is not;
 - ``nfs_mount``: the host mounting an NFS-over-RDMA share.
 
 ``Container`` restarts a body that exits, with Kubernetes' back-off: at once,
@@ -23,6 +29,7 @@ then 10 s, 20 s, 40 s ... capped at 300 s, reset after 10 minutes of running.
 from __future__ import annotations
 
 import errno
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,14 +45,16 @@ from nodeagent.sim.modtree import (
     Generation,
     srcversion_of,
 )
-from nodeagent.sim.node import BLACKLIST, CTR_READY, GATE, LOCK, READY, Node
+from nodeagent.sim.node import BLACKLIST, CTR_READY, LOCK, READY, Node
 
 __all__ = [
     "STORAGE_MODULE_NAMES",
     "Container",
     "ContainerExit",
     "GpuSpec",
+    "Killed",
     "MofedSpec",
+    "Probe",
     "Terminated",
     "gpu_driver_container",
     "host_modprobe",
@@ -89,6 +98,30 @@ class Terminated(Exception):
     """SIGTERM: the pod is being deleted or replaced."""
 
 
+class Killed(ContainerExit):
+    """kubelet killed the container (a failed probe); it restarts like any exit."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(137)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A container's startup and liveness probes, as kubelet runs them.
+
+    The startup probe runs every ``startup_period_s`` from ``startup_delay_s``
+    until it succeeds (``startup_failures`` failures kill the container); then
+    the liveness probe runs every ``live_period_s`` and one failure kills it.
+    """
+
+    check: Callable[[], str | None]  # None: success; else the probe's output
+    startup_delay_s: float = 10.0
+    startup_period_s: float = 10.0
+    startup_failures: int = 120
+    live_period_s: float = 30.0
+
+
 def tool_error(exc: ModuleOpError) -> str:
     """What kmod's modprobe prints for a failed insert."""
     if exc.errno == errno.ENOENT and "not found" in (exc.detail or ""):
@@ -117,6 +150,10 @@ class Container:
     state: str = "waiting"
     pod: dict[str, Any] = field(default_factory=dict)  # survives restarts (emptyDir volumes)
     actor: Actor | None = None
+    probe: Probe | None = None
+    run_id: int = 0  # which start of the container a probe belongs to
+    # The pod's other containers: kubelet starts them once this pod's init container is done.
+    pod_mates: list[Container] = field(default_factory=list)
 
     def start(self, delay: float = 0.0) -> Container:
         self.actor = self.node.sched.spawn(self.name, self._main, delay)
@@ -134,10 +171,17 @@ class Container:
             if self.init is not None:
                 self.state = "init"
                 self.init(self)
+            for mate in self.pod_mates:
+                mate.start()
             in_a_row = 0
             while True:
                 self.state = "running"
                 started = self.node.now()
+                self.run_id += 1
+                if self.probe is not None:
+                    self.node.sched.spawn(
+                        f"{self.name}-probe", functools.partial(self._probe, self.run_id)
+                    )
                 try:
                     self.body(self)
                     code = 0
@@ -157,6 +201,36 @@ class Container:
         except Terminated:
             self.state = "terminated"
             self.say(f"{self.name} terminated")
+
+    def _probe(self, run: int) -> None:
+        """kubelet's probes for one start of the container; a failure kills that start."""
+        p = self.probe
+        assert p is not None
+        current = lambda: self.run_id == run and self.state == "running"  # noqa: E731
+        self.node.sleep(p.startup_delay_s)
+        failures = 0
+        while current():
+            out = p.check()
+            if out is None:
+                break
+            failures += 1
+            if failures >= p.startup_failures:
+                self._kill(f"Startup probe failed: {out}")
+                return
+            self.node.sleep(p.startup_period_s)
+        while current():
+            self.node.sleep(p.live_period_s)
+            if not current():
+                return
+            out = p.check()
+            if out is not None:
+                self._kill(f"Liveness probe failed: {out}")
+                return
+
+    def _kill(self, why: str) -> None:
+        self.say(f"{self.name}: {why}; kubelet restarts it")
+        if self.actor is not None:
+            self.actor.interrupt(Killed(why))
 
 
 # -- MOFED ------------------------------------------------------------------------
@@ -336,14 +410,11 @@ def _restore_vfs(node: Node, spec: MofedSpec, c: Container, pf_name: str, vfs: l
 @dataclass(frozen=True)
 class GpuSpec:
     gen: Generation
-    rdma: bool = True  # GPUDirect RDMA: load nvidia_peermem
-    agent: bool = False  # next to nodeagent: wait for its gate instead of loading peermem
     manager_s: float = 35.0  # k8s-driver-manager: shut down GPU clients, look for the NIC
     poll_s: float = 5.0
     build_s: float = 140.0  # first start: compile in the driver toolkit
     install_s: float = 45.0  # nvidia-installer (rebuilds nvidia-peermem.ko on every start)
     modprobe_gap_s: float = 2.0
-    gate_poll_s: float = 2.0
 
 
 def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-ctr") -> Container:
@@ -356,14 +427,24 @@ def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-c
     )
 
 
+def _mofed_loaded(node: Node) -> bool:
+    """What the operators' "MOFED is there" checks look at: the ready flag, or any mlx5_core."""
+    if node.mode.manager_waits_for == "mlx5_core":
+        return node.kernel.module("mlx5_core") is not None  # a substring match in /proc/modules
+    return node.exists(READY)
+
+
 def _driver_manager(node: Node, spec: GpuSpec, c: Container) -> None:
     c.say("k8s-driver-manager: shutting down GPU clients")
     node.sleep(spec.manager_s)
-    c.say("k8s-driver-manager: Mellanox device found at 0000:01:00.0; waiting for MOFED")
-    # It stats the ready flag, or matches mlx5_core in /proc/modules (any mlx5_core).
-    while not node.exists(READY) and node.kernel.module("mlx5_core") is None:
+    if not node.mode.rdma:  # it waits for MOFED only with GPUDirect RDMA enabled
+        c.say("k8s-driver-manager: done")
+        return
+    what = "mlx5_core in /proc/modules" if node.mode.manager_waits_for == "mlx5_core" else READY
+    c.say(f"k8s-driver-manager: Mellanox device found at 0000:01:00.0; waiting for {what}")
+    while not _mofed_loaded(node):
         node.sleep(spec.poll_s)
-    c.say("k8s-driver-manager: MOFED found (ready flag or mlx5_core loaded); done")
+    c.say(f"k8s-driver-manager: MOFED found ({what}); done")
 
 
 def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
@@ -383,7 +464,8 @@ def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
             say("Waiting for the driver toolkit (busy with MOFED)")
             while node.dtk_busy:
                 node.sleep(spec.poll_s)
-        headers = node.headers()
+        # With GPUDirect RDMA the build links MOFED's headers, as they are right now.
+        headers = node.headers() if node.mode.rdma else None
         first = not c.pod.get("built")
         if headers is not None and all(s in headers for s in PEER_MEMORY_API):
             hdr_gen = node.headers_version
@@ -402,12 +484,7 @@ def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
             k.modprobe(m, node.gpu_moddir)
             node.sleep(spec.modprobe_gap_s)
         say("Loaded nvidia, nvidia-uvm, nvidia-modeset")
-        if spec.rdma and spec.agent:
-            say("Waiting for the nodeagent peermem gate (run/nodeagent/peermem.gate)")
-            while not node.exists(GATE) and not k.is_live(PEERMEM):
-                node.sleep(spec.gate_poll_s)
-            say("peermem gate open")
-        elif spec.rdma:
+        if node.mode.rdma:  # _load_driver: no wait of its own
             say("Loading NVIDIA Peer Memory kernel module: modprobe -a nvidia-peermem")
             try:
                 k.modprobe(PEERMEM, node.gpu_moddir)
@@ -425,29 +502,49 @@ def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
         node.remove(CTR_READY)
 
 
-def peermem_sidecar(node: Node, poll_s: float = 10.0) -> Container:
-    """nvidia-peermem-ctr: loads nvidia_peermem once MOFED and the driver say ready."""
+def peermem_sidecar(node: Node, driver: Container, poll_s: float = 10.0) -> Container | None:
+    """nvidia-peermem-ctr (``reload_nvidia_peermem``) in ``driver``'s pod; None when the
+    mode has no sidecar. It starts with the pod's containers, after ``k8s-driver-manager``.
+
+    Waits (every 10 s) for MOFED (the ready flag, or ``mlx5_core`` with host
+    MOFED) and ``.driver-ctr-ready``; already loaded -> sleeps; else one
+    ``chroot /run/nvidia/driver modprobe nvidia-peermem``: success -> sleeps,
+    failure -> exit 1. Its probes (``probe_nvidia_peermem``) fail while
+    ``mlx5_core`` is loaded and ``nvidia_peermem`` is not, which restarts it.
+    """
+    if not node.mode.rdma:
+        return None
+    k = node.kernel
+    host = node.mode.host_mofed
+
+    def mofed_ready() -> bool:
+        return k.module("mlx5_core") is not None if host else node.exists(READY)
 
     def body(c: Container) -> None:
-        k = node.kernel
-        waiting = False
-        while True:
-            if not (node.exists(READY) and node.exists(CTR_READY)):
-                if not waiting:
-                    c.say("nvidia-peermem-ctr: waiting for mellanox ofed and nvidia drivers")
-                    waiting = True
-            elif k.module(PEERMEM) is None:
-                waiting = False
-                try:
-                    k.modprobe(PEERMEM, node.gpu_moddir)
-                except ModuleOpError as exc:
-                    c.say(f"nvidia-peermem-ctr: {tool_error(exc)}")
-                    c.say("nvidia-peermem-ctr: failed to load nvidia-peermem module")
-                    raise ContainerExit(1) from None
-                c.say("nvidia-peermem-ctr: loaded nvidia-peermem")
-            node.sleep(poll_s)
+        if not (mofed_ready() and node.exists(CTR_READY)):
+            c.say("nvidia-peermem-ctr: waiting for mellanox ofed and nvidia drivers")
+            while not (mofed_ready() and node.exists(CTR_READY)):
+                node.sleep(poll_s)
+        if k.module(PEERMEM) is not None:
+            c.say("nvidia-peermem-ctr: nvidia-peermem module already loaded, skipping modprobe")
+            node.sleep(INF)
+        try:
+            k.modprobe(PEERMEM, node.gpu_moddir)
+        except ModuleOpError as exc:
+            c.say(f"nvidia-peermem-ctr: {tool_error(exc)}")
+            c.say("nvidia-peermem-ctr: failed to load nvidia-peermem module")
+            raise ContainerExit(1) from None
+        c.say("nvidia-peermem-ctr: successfully loaded nvidia-peermem module")
+        node.sleep(INF)
 
-    return Container(node, "nvidia-peermem-ctr", "GPU driver", body)
+    def probe() -> str | None:
+        if k.module("mlx5_core") is not None and k.module(PEERMEM) is None:
+            return "nvidia-peermem module is not loaded"
+        return None
+
+    sidecar = Container(node, "nvidia-peermem-ctr", "GPU driver", body, probe=Probe(probe))
+    driver.pod_mates.append(sidecar)
+    return sidecar
 
 
 # -- the host ---------------------------------------------------------------------

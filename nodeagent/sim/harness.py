@@ -28,6 +28,7 @@ from typing import Any
 
 from nodeagent.agent import Agent, PassResult, build_reconciler
 from nodeagent.config import Config
+from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import WakePipe
 from nodeagent.sim.node import Node
@@ -39,8 +40,14 @@ SETTLE_TIMEOUT_S = 30.0
 
 def agent_config(node: Node) -> Config:
     # uevents=False: the host's real netlink uevents say nothing about the temp root;
-    # the simulated kernel's uevents come in as a wake source instead.
-    return Config(host_root=str(node.root), mode="enforce", uevents=False)
+    # the simulated kernel's uevents come in as a wake source instead. [peermem] mofed
+    # is what deploy/README.md tells the operator to set in the node's mode.
+    return Config(
+        host_root=str(node.root),
+        mode="enforce",
+        uevents=False,
+        policies={"peermem": PeermemPolicy(mofed=node.mode.agent_mofed)},
+    )
 
 
 def agent_guards() -> tuple[str, ...]:

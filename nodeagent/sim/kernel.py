@@ -49,6 +49,7 @@ from nodeagent.host.modfile import (
     ModuleFile,
     ModuleFileError,
     module_name_from_path,
+    read_module_fd,
     read_module_file,
 )
 from nodeagent.sim.clock import Scheduler
@@ -354,6 +355,20 @@ class SimKernel:
                 raise ModuleOpError("load", guess, errno.ENOENT, shown) from None
             self.log(f"{guess}: invalid module format ({exc})")
             raise ModuleOpError("load", guess, errno.ENOEXEC, shown) from None
+        self._insert(info, shown, params)
+
+    def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
+        """Load the module open at ``fd``, like finit_module(2)."""
+        params = tuple(validate_module_param(p) for p in params)
+        shown = self.node_path(os.readlink(f"/proc/self/fd/{fd}"))
+        try:
+            info = read_module_fd(fd, shown)
+        except ModuleFileError as exc:
+            self.log(f"{name}: invalid module format ({exc})")
+            raise ModuleOpError("load", name, errno.ENOEXEC, shown) from None
+        self._insert(info, shown, params)
+
+    def _insert(self, info: ModuleFile, shown: str, params: tuple[str, ...]) -> None:
         name = validate_module_name(info.name)
         with self._lock:
             try:

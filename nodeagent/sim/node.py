@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nodeagent.sim.clock import Scheduler
 from nodeagent.sim.kernel import SimKernel
+from nodeagent.sim.modes import DEFAULT_MODE, MODES, DeploymentMode
 from nodeagent.sim.modtree import (
     Generation,
     ModSpec,
@@ -36,7 +37,7 @@ LOCK = "run/mellanox/drivers/.lock"
 LOCKS = "proc/locks"
 MOUNTINFO = "proc/1/mountinfo"
 BLACKLIST = "etc/modprobe.d/blacklist-ofed-modules.conf"
-GATE = "run/nodeagent/peermem.gate"
+GATE = "run/nodeagent/peermem.gate"  # what the agent publishes; no operator container reads it
 CTR_READY = "run/nvidia/validations/.driver-ctr-ready"
 BLACKLISTED = [
     "mlx5_core",
@@ -61,9 +62,18 @@ class SimEvent:
 
 
 class Node:
-    def __init__(self, root: Path, kver: str, *, seed: int, arch: str = "aarch64") -> None:
+    def __init__(
+        self,
+        root: Path,
+        kver: str,
+        *,
+        seed: int,
+        arch: str = "aarch64",
+        mode: DeploymentMode | None = None,
+    ) -> None:
         self.root = Path(root)
         self.kver = kver
+        self.mode = mode or MODES[DEFAULT_MODE]  # what the operator containers are set to
         self.arch = arch
         self.sched = Scheduler(start=-600.0)  # boot: state before the scenario's t=0
         self.kernel = SimKernel(self.root, kver, self.sched)

@@ -1,4 +1,4 @@
-"""Timelines and verdicts as text (the seeds' style) and as JSON (schema version 1).
+"""Timelines and verdicts as text (the seeds' style) and as JSON (schema version 2).
 
 The text is for people: one row per moment, a column per party (time | MOFED |
 GPU driver | agent | kernel state), times as the seed's wall clock. The JSON
@@ -22,7 +22,7 @@ from nodeagent.sim.scenarios import RunResult, Scenario, Verdict
 __all__ = ["JSON_SCHEMA", "JSON_VERSION", "clock_at", "render_compare", "render_run", "to_json"]
 
 JSON_SCHEMA = "nodeagent-simulate"
-JSON_VERSION = 1
+JSON_VERSION = 2
 
 
 def clock_at(start: str, t: float) -> str:
@@ -127,14 +127,15 @@ def render_compare(without: RunResult, with_agent: RunResult) -> str:
 
 def _verdict_cells(scenario: Scenario, v: Verdict) -> list[str]:
     at = lambda t: clock_at(scenario.clock, t)  # noqa: E731
+    failed = str(v.peermem_failed_loads)
+    if v.peermem_failed_by:
+        failed += " (" + ", ".join(f"{who} {n}" for who, n in v.peermem_failed_by.items()) + ")"
     if v.peermem_loaded and v.peermem_first_loaded_at is not None:
         peermem = f"yes, at {at(v.peermem_first_loaded_at)}"
         if v.peermem_loads > 1:
             peermem += f" ({v.peermem_loads} loads)"
     else:
         peermem = "no"
-    if v.peermem_failed_loads:
-        peermem += f"; {v.peermem_failed_loads} failed load(s)"
     restarts = str(v.driver_restarts)
     if v.sidecar_restarts:
         restarts += f" (+{v.sidecar_restarts} nvidia-peermem-ctr)"
@@ -150,11 +151,12 @@ def _verdict_cells(scenario: Scenario, v: Verdict) -> list[str]:
     healthy = (
         f"{at(v.healthy_at)} (+{_duration(v.healthy_at)})" if v.healthy_at is not None else "never"
     )
-    return [peermem, restarts, mofed, vfs, healthy]
+    return [failed, peermem, restarts, mofed, vfs, healthy]
 
 
 VERDICT_ROWS = (
-    "nvidia_peermem loaded",
+    "failed nvidia_peermem loads",
+    "nvidia_peermem loaded at the end",
     "GPU driver-container restarts",
     "MOFED installed",
     "VFs with their config back",
@@ -166,16 +168,15 @@ def render_verdicts(scenario: Scenario, results: Sequence[RunResult]) -> list[st
     heads = ["with nodeagent" if r.agent else "without the agent" for r in results]
     cells = [_verdict_cells(scenario, r.verdict) for r in results]
     width = 44
-    lines = ["verdict".ljust(32) + "".join(h.ljust(width) for h in heads).rstrip()]
+    lines = ["verdict".ljust(34) + "".join(h.ljust(width) for h in heads).rstrip()]
     for i, label in enumerate(VERDICT_ROWS):
-        lines.append(label.ljust(32) + "".join(c[i].ljust(width) for c in cells).rstrip())
+        lines.append(label.ljust(34) + "".join(c[i].ljust(width) for c in cells).rstrip())
+    modes = {r.mode.name: r.mode for r in results}
+    for mode in modes.values():
+        lines.append(f"deployment mode {mode.name}: {mode.title} ({'; '.join(mode.settings)})")
     for r in results:
-        if r.agent and r.verdict.missing_guards:
-            names = ", ".join(f"{g} guard" for g in r.verdict.missing_guards)
-            lines.append(
-                f"note: with nodeagent, this scenario needs the {names}: guard not built yet "
-                "(the agent runs, the failure above is real)"
-            )
+        for label in r.verdict.not_prevented:
+            lines.append(f"with nodeagent, {label}")
     return ["", *lines, ""]
 
 
@@ -199,6 +200,7 @@ def to_json(results: Sequence[RunResult], *, seed: int, speed: float | None) -> 
         doc["runs"].append(
             {
                 "agent": r.agent,
+                "deployment_mode": r.mode.name,
                 "verdict": r.verdict.to_json(),
                 "events": [
                     {
@@ -213,11 +215,21 @@ def to_json(results: Sequence[RunResult], *, seed: int, speed: float | None) -> 
                 "kernel_log": [{"t": t, "text": text} for t, text in r.kernel_log],
             }
         )
+    modes = {r.mode.name: r.mode for r in results}
     return {
         "schema": JSON_SCHEMA,
         "version": JSON_VERSION,
         "seed": seed,
         "speed": speed,
+        "deployment_modes": {
+            m.name: {
+                "title": m.title,
+                "settings": list(m.settings),
+                "peermem_loaders": list(m.loaders),
+                "not_prevented": m.not_prevented,
+            }
+            for m in modes.values()
+        },
         "scenarios": list(scenarios.values()),
         "wall_seconds": round(sum(r.wall_seconds for r in results), 3),
     }

@@ -23,7 +23,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from nodeagent.sim.actors import (
 )
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import PF_FIELDS, VfConfig
+from nodeagent.sim.modes import DEFAULT_MODE, MODES, DeploymentMode
 from nodeagent.sim.modtree import (
     GPU_MODULES,
     PEER_MEMORY_API,
@@ -109,6 +110,8 @@ class Scenario:
     needs: tuple[str, ...]  # guards the agent needs to fix it
     story: str
     build: Callable[[Node, bool], Cast]
+    # The deployment mode the seed's node ran (modes.py); the operator containers follow it.
+    mode: str = DEFAULT_MODE
 
 
 # -- helpers for the scenes ---------------------------------------------------------
@@ -191,11 +194,9 @@ def _kernel_upgrade_race(node: Node, agent: bool) -> Cast:
             post_load_s=44,  # ready 11:58:39
         ),
     )
-    gpu = gpu_driver_container(
-        node, GpuSpec(NVIDIA, agent=agent, manager_s=35, build_s=140, install_s=45)
-    )
-    sidecar = None if agent else peermem_sidecar(node)
-    _start_at(node, 0.0, mofed, gpu, sidecar)
+    gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=35, build_s=140, install_s=45))
+    sidecar = peermem_sidecar(node, gpu)
+    _start_at(node, 0.0, mofed, gpu)
     return Cast(mofed=[mofed], gpu=gpu, sidecar=sidecar, target=MOFED_2507)
 
 
@@ -216,10 +217,9 @@ def _storage_module_race(node: Node, agent: bool) -> Cast:
     mofed = mofed_container(
         node, MofedSpec(MOFED_2501, "25.01-0.6.0.0", nfsrdma=True, prestart_s=1.7)
     )
-    gpu = gpu_driver_container(node, GpuSpec(NVIDIA, agent=agent, manager_s=15, build_s=120))
-    sidecar = None if agent else peermem_sidecar(node)
+    gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=15, build_s=120))
+    sidecar = peermem_sidecar(node, gpu)
     _start_at(node, 1200.0, mofed)
-    _start_at(node, 0.0, sidecar)
     sched.spawn("gpu-operator", _gpu_pod_when_mofed_ready(node, gpu), delay=-sched.now())
     return Cast(mofed=[mofed], gpu=gpu, sidecar=sidecar, target=MOFED_2501, nfs=True)
 
@@ -263,12 +263,10 @@ def _vf_restore(node: Node, agent: bool) -> Cast:
             vf_restore_start_s=19,  # VF0 at 09:24:41
         ),
     )
-    gpu = gpu_driver_container(
-        node, GpuSpec(NVIDIA, agent=agent, manager_s=15, build_s=60, install_s=30)
-    )
-    sidecar = None if agent else peermem_sidecar(node)
+    gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=15, build_s=60, install_s=30))
+    sidecar = peermem_sidecar(node, gpu)
     _start_at(node, 0.0, mofed)
-    _start_at(node, 449.0, gpu, sidecar)  # 09:24:49
+    _start_at(node, 449.0, gpu)  # 09:24:49
     return Cast(mofed=[mofed], gpu=gpu, sidecar=sidecar, target=MOFED_2507, vfs={PF: wanted})
 
 
@@ -301,15 +299,12 @@ def _mofed_upgrade(node: Node, agent: bool) -> Cast:
         ),
         name="mofed-container-25.10",
     )
-    gpu = gpu_driver_container(
-        node, GpuSpec(NVIDIA, agent=agent, manager_s=5, build_s=1, install_s=1)
-    )
+    gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=5, build_s=1, install_s=1))
     gpu.pod["built"] = True
-    sidecar = None if agent else peermem_sidecar(node)
+    sidecar = peermem_sidecar(node, gpu)
     sched = node.sched
-    for c in (old, gpu, sidecar):
-        if c is not None:
-            c.start()
+    for c in (old, gpu):
+        c.start()
     sched.call_at(0.0, old.terminate)  # 09:28:48 SIGTERM
     _start_at(node, 34.0, new)  # 09:29:22 the new container
     return Cast(mofed=[old, new], gpu=gpu, sidecar=sidecar, target=MOFED_2510, vfs={PF: wanted})
@@ -328,8 +323,11 @@ SCENARIOS: dict[str, Scenario] = {
             (),
             "Both operators start at once after a kernel upgrade. The driver container "
             "builds nvidia-peermem against MOFED 25.07's headers and loads it while "
-            "openibd is swapping the 24.10 stack for 25.07.",
+            "openibd is swapping the 24.10 stack for 25.07. The driver pod's "
+            "k8s-driver-manager (v0.9.x, GPU Operator 25.10) stopped waiting at the "
+            "first mlx5_core, the host's 24.10.",
             _kernel_upgrade_race,
+            mode="operator-peermem-dm09",
         ),
         Scenario(
             "storage-module-race",
@@ -380,7 +378,8 @@ SCENARIOS: dict[str, Scenario] = {
 class Verdict:
     peermem_loaded: bool  # at the end
     peermem_loads: int  # successful loads during the run
-    peermem_failed_loads: int
+    peermem_failed_loads: int  # by anyone
+    peermem_failed_by: dict[str, int]  # who -> failed loads (nvidia-driver-ctr, nodeagent, ...)
     peermem_first_loaded_at: float | None
     ready_flag_at: float | None  # the last time MOFED created its ready flag
     driver_restarts: int  # the GPU driver container (nvidia-driver-ctr)
@@ -392,6 +391,9 @@ class Verdict:
     vfs_partly_back: int  # some fields back
     healthy_at: float | None  # when the node became healthy (and stayed so), seed-seconds
     missing_guards: tuple[str, ...]  # guards the scenario needs that the agent lacks
+    # With the agent: the failures it did not prevent, each saying why (the mode, a
+    # missing guard). Empty without the agent.
+    not_prevented: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -401,11 +403,14 @@ class Verdict:
 class RunResult:
     scenario: Scenario
     agent: bool
+    mode: DeploymentMode
     seed: int
     events: tuple[SimEvent, ...]
     kernel_log: tuple[tuple[float, str], ...]
     verdict: Verdict
     wall_seconds: float
+    module_ops: tuple[tuple[float, str, str], ...] = ()  # (t, who, what), from t=0
+    agent_records: tuple[dict[str, Any], ...] = ()  # the agent's timeline records, ts in seed-s
 
 
 def _tmp_base() -> str | None:
@@ -550,14 +555,21 @@ def _agent_events(node: Node, records: list[dict[str, Any]]) -> list[SimEvent]:
 
 
 def run_scenario(
-    scenario: Scenario, *, agent: bool, seed: int = 1, speed: float | None = None
+    scenario: Scenario,
+    *,
+    agent: bool,
+    seed: int = 1,
+    speed: float | None = None,
+    mode: str | None = None,
 ) -> RunResult:
-    """Replay ``scenario`` once. ``speed``: seed-seconds per wall second (None: unpaced)."""
+    """Replay ``scenario`` once. ``speed``: seed-seconds per wall second (None: unpaced);
+    ``mode``: another deployment mode than the scenario's own (``MODES``)."""
     wall0 = time.monotonic()
+    deployment = MODES[mode or scenario.mode]
     with tempfile.TemporaryDirectory(
         prefix=f"nodeagent-sim-{scenario.name}-", dir=_tmp_base()
     ) as tmp:
-        node = Node(Path(tmp), scenario.kver, seed=seed)
+        node = Node(Path(tmp), scenario.kver, seed=seed, mode=deployment)
         sched = node.sched
         box: dict[str, Cast] = {}
         watcher = _Watcher(node)
@@ -582,6 +594,7 @@ def run_scenario(
             sched.spawn("scene", lambda: box.setdefault("cast", scenario.build(node, agent)))
             sched.run(-1e-9)  # the boot sets the scene; t=0 is the seed's first line
             watcher.cast = box["cast"]
+            watcher.cast.rdma = deployment.rdma  # peermem belongs on a healthy node
             watcher()
             if speed:
                 start = time.monotonic()
@@ -590,11 +603,15 @@ def run_scenario(
             # The end: read everything now, before the actors unwind.
             node.closed = True
             events = list(node.events)
+            records = list(harness.agent.sim_records) if harness is not None else []
             if harness is not None:
-                events += _agent_events(node, list(harness.agent.sim_records))
+                events += _agent_events(node, records)
             events.sort(key=lambda e: e.t)  # stable: same-time lines keep their order
             verdict = _verdict(node, watcher.cast, watcher, missing)
+            if agent:
+                verdict = replace(verdict, not_prevented=_not_prevented(verdict, deployment))
             kmsg = tuple((round(line.t, 3), line.text) for line in node.kernel.kmsg if line.t >= 0)
+            ops = tuple((round(t, 3), who, what) for t, who, what in node.kernel.op_log if t >= 0)
         finally:
             node.closed = True
             if harness is not None:
@@ -605,7 +622,10 @@ def run_scenario(
                 if harness.thread.is_alive():
                     raise SimError("the agent thread did not stop")
             node.kernel.uevent_source.close()
-    return RunResult(scenario, agent, seed, tuple(events), kmsg, verdict, time.monotonic() - wall0)
+    wall = time.monotonic() - wall0
+    return RunResult(
+        scenario, agent, deployment, seed, tuple(events), kmsg, verdict, wall, ops, tuple(records)
+    )
 
 
 def _pace(start: float, t: float, speed: float) -> None:
@@ -619,9 +639,15 @@ def _pace(start: float, t: float, speed: float) -> None:
 def _verdict(node: Node, cast: Cast, watcher: _Watcher, missing: tuple[str, ...]) -> Verdict:
     k = node.kernel
     loads = [
-        (t, what) for t, _who, what in k.op_log if t >= 0 and what.startswith("load nvidia_peermem")
+        (t, who, what)
+        for t, who, what in k.op_log
+        if t >= 0 and what.startswith("load nvidia_peermem")
     ]
-    ok = [t for t, what in loads if what == "load nvidia_peermem"]
+    ok = [t for t, _who, what in loads if what == "load nvidia_peermem"]
+    failed_by: dict[str, int] = {}
+    for _t, who, what in loads:
+        if what != "load nvidia_peermem":
+            failed_by[who] = failed_by.get(who, 0) + 1
     ready_writes = [t for t, op, rel in node.file_log if t >= 0 and op == "write" and rel == READY]
     target = cast.target
     installed = (
@@ -644,6 +670,7 @@ def _verdict(node: Node, cast: Cast, watcher: _Watcher, missing: tuple[str, ...]
         peermem_loaded=k.is_live("nvidia_peermem"),
         peermem_loads=len(ok),
         peermem_failed_loads=len(loads) - len(ok),
+        peermem_failed_by=dict(sorted(failed_by.items())),
         peermem_first_loaded_at=round(ok[0], 3) if ok else None,
         ready_flag_at=round(ready_writes[-1], 3) if ready_writes else None,
         driver_restarts=cast.gpu.restarts if cast.gpu else 0,
@@ -656,3 +683,26 @@ def _verdict(node: Node, cast: Cast, watcher: _Watcher, missing: tuple[str, ...]
         healthy_at=watcher.healthy_since,
         missing_guards=missing,
     )
+
+
+def _not_prevented(v: Verdict, mode: DeploymentMode) -> tuple[str, ...]:
+    """The failures of a run with the agent, each labelled with why the agent let it be."""
+    out = []
+    for who, n in v.peermem_failed_by.items():
+        why = (
+            "nodeagent's own load failed"
+            if who == "nodeagent"
+            else f"not prevented in mode {mode.name}: {mode.not_prevented}"
+        )
+        out.append(f"{n} failed nvidia_peermem load(s) by {who}: {why}")
+    if v.driver_restarts or v.sidecar_restarts:
+        out.append(
+            f"GPU driver pod restarts (nvidia-driver-ctr {v.driver_restarts}, "
+            f"nvidia-peermem-ctr {v.sidecar_restarts}): not prevented in mode {mode.name}"
+        )
+    if v.missing_guards:
+        names = ", ".join(f"{g} guard" for g in v.missing_guards)
+        out.append(f"needs the {names}: guard not built yet (the failure is real)")
+    elif v.healthy_at is None:
+        out.append(f"node not healthy at the end: not prevented in mode {mode.name}")
+    return tuple(out)

@@ -1,4 +1,4 @@
-"""``nodeagent simulate``: options, the text views and the JSON schema (version 1)."""
+"""``nodeagent simulate``: options, the text views and the JSON schema (version 2)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from nodeagent.sim.cli import simulate_main
+from nodeagent.sim.modes import MODES
 from nodeagent.sim.node import COLUMNS
 from nodeagent.sim.scenarios import SCENARIOS
 
@@ -15,6 +16,7 @@ VERDICT_TYPES: dict[str, tuple[type, ...]] = {
     "peermem_loaded": (bool,),
     "peermem_loads": (int,),
     "peermem_failed_loads": (int,),
+    "peermem_failed_by": (dict,),
     "peermem_first_loaded_at": (float, int, type(None)),
     "ready_flag_at": (float, int, type(None)),
     "driver_restarts": (int,),
@@ -26,13 +28,19 @@ VERDICT_TYPES: dict[str, tuple[type, ...]] = {
     "vfs_partly_back": (int,),
     "healthy_at": (float, int, type(None)),
     "missing_guards": (list,),
+    "not_prevented": (list,),
 }
 
 
 def check_schema(doc: dict[str, Any]) -> None:
     """The schema docs/simulator.md documents, checked field by field."""
-    assert doc["schema"] == "nodeagent-simulate" and doc["version"] == 1
-    assert set(doc) == {"schema", "version", "seed", "speed", "scenarios", "wall_seconds"}
+    assert doc["schema"] == "nodeagent-simulate" and doc["version"] == 2
+    assert set(doc) == {
+        "schema", "version", "seed", "speed", "deployment_modes", "scenarios", "wall_seconds",
+    }  # fmt: skip
+    for name, mode in doc["deployment_modes"].items():
+        assert name in MODES
+        assert set(mode) == {"title", "settings", "peermem_loaders", "not_prevented"}
     assert isinstance(doc["seed"], int) and isinstance(doc["wall_seconds"], float)
     for sc in doc["scenarios"]:
         assert set(sc) == {
@@ -40,8 +48,11 @@ def check_schema(doc: dict[str, Any]) -> None:
         }  # fmt: skip
         assert sc["name"] in SCENARIOS and all(isinstance(s, str) for s in sc["seeds"])
         for run in sc["runs"]:
-            assert set(run) == {"agent", "verdict", "events", "kernel_log"}
+            assert set(run) == {"agent", "deployment_mode", "verdict", "events", "kernel_log"}
             assert isinstance(run["agent"], bool)
+            assert run["deployment_mode"] in doc["deployment_modes"]
+            assert all(isinstance(n, int) for n in run["verdict"]["peermem_failed_by"].values())
+            assert run["agent"] or not run["verdict"]["not_prevented"]
             assert set(run["verdict"]) == set(VERDICT_TYPES)
             for key, types in VERDICT_TYPES.items():
                 assert isinstance(run["verdict"][key], types), key
@@ -66,8 +77,15 @@ def test_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert sc["clock_start"] == "11:51:06"
     first = sc["runs"][0]["events"][0]
     assert first["t"] == 0 and first["clock"] == "11:51:06"
-    assert sc["runs"][0]["verdict"]["driver_restarts"] >= 1
-    assert sc["runs"][1]["verdict"]["driver_restarts"] == 0
+    # The seed's own mode: the GPU Operator's driver container loads peermem itself, so
+    # the agent cannot prevent its EINVAL; the with-agent run says so.
+    assert [r["deployment_mode"] for r in sc["runs"]] == ["operator-peermem-dm09"] * 2
+    for run in sc["runs"]:
+        assert run["verdict"]["peermem_failed_by"] == {"nvidia-driver-ctr": 1}
+    labels = sc["runs"][1]["verdict"]["not_prevented"]
+    assert any(
+        "by nvidia-driver-ctr: not prevented in mode operator-peermem-dm09" in x for x in labels
+    )
 
 
 def test_compare_prints_both_timelines_and_the_verdicts(
@@ -88,12 +106,36 @@ def test_without_agent_has_no_agent_column(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("time"))
     assert "agent" not in header and "MOFED" in header
-    assert "VFs with their config back      0/50" in out
+    assert "VFs with their config back        0/50" in out
+    verdict = out.splitlines().index(next(x for x in out.splitlines() if x.startswith("verdict ")))
+    assert out.splitlines()[verdict + 1].startswith("failed nvidia_peermem loads ")
+    assert "deployment mode operator-peermem: " in out
+
+
+def test_deployment_mode_option_runs_the_scene_with_other_operator_settings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The same scene with k8s-driver-manager waiting for the ready flag (>= v0.10.0): the
+    # driver container starts after MOFED is done and its load succeeds; no agent needed.
+    argv = ["kernel-upgrade-race", "--compare", "--json", "--speed", "0"]
+    assert simulate_main([*argv, "--deployment-mode", "operator-peermem"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    check_schema(doc)
+    for run in doc["scenarios"][0]["runs"]:
+        assert run["deployment_mode"] == "operator-peermem"
+        assert run["verdict"]["peermem_failed_loads"] == 0
+        assert run["verdict"]["driver_restarts"] == 0 and run["verdict"]["peermem_loaded"]
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["no-such-scenario"], ["--compare", "--without-agent"], ["--speed", "-1"], ["--seed", "x"]],
+    [
+        ["no-such-scenario"],
+        ["--compare", "--without-agent"],
+        ["--speed", "-1"],
+        ["--seed", "x"],
+        ["--deployment-mode", "no-such-mode"],
+    ],
 )
 def test_bad_usage_is_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert simulate_main(argv) == 2

@@ -21,6 +21,10 @@ def run(name: str, agent: bool, seed: int = 1) -> RunResult:
     return _cache[key]
 
 
+def r_ops(r: RunResult) -> list[tuple[float, str, str]]:
+    return list(r.module_ops)
+
+
 def texts(r: RunResult, column: str) -> list[str]:
     return [e.text for e in r.events if e.column == column]
 
@@ -42,20 +46,41 @@ def test_kernel_upgrade_race_without_agent_crashes_the_driver_with_einval() -> N
     assert r.verdict.peermem_failed_loads >= 1
 
 
-def test_kernel_upgrade_race_with_agent_loads_peermem_once_after_the_ready_flag() -> None:
+def test_kernel_upgrade_race_with_agent_is_not_prevented_in_the_seeds_mode() -> None:
+    # The driver container loads nvidia_peermem itself, as the shipped one does; nothing
+    # shipped waits on the agent's gate, so its EINVAL and restart happen with the agent too.
     r = run("kernel-upgrade-race", agent=True)
     v = r.verdict
-    assert v.driver_restarts == 0
-    assert v.peermem_failed_loads == 0
-    assert v.peermem_loads == 1 and v.peermem_loaded
-    assert v.ready_flag_at is not None and v.peermem_first_loaded_at is not None
-    assert v.peermem_first_loaded_at >= v.ready_flag_at
-    assert not any("Invalid argument" in t for t in texts(r, "GPU driver"))
+    assert r.mode.name == "operator-peermem-dm09"
+    assert v.peermem_failed_by == {"nvidia-driver-ctr": 1}
+    assert v.driver_restarts == 1
+    assert any(
+        x.startswith("1 failed nvidia_peermem load(s) by nvidia-driver-ctr: not prevented")
+        for x in v.not_prevented
+    )
+    assert "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument" in texts(
+        r, "GPU driver"
+    )
+    # What the agent does: keeps its own loads for a final stack (after the ready flag) ...
     agent = texts(r, "agent")
-    assert any(t.startswith("load nvidia_peermem from ") and t.endswith(": ok") for t in agent)
     assert "peermem gate open" in agent
-    assert not any("disagrees" in text for _t, text in r.kernel_log)
-    assert v.healthy_at is not None and v.mofed_installed
+    opened = next(e.t for e in r.events if e.text == "peermem gate open")
+    assert v.ready_flag_at is not None and opened >= v.ready_flag_at
+    loads = [t for t, who, what in r_ops(r) if who == "nodeagent" and what == "load nvidia_peermem"]
+    assert loads and all(t >= v.ready_flag_at for t in loads)
+    assert v.healthy_at is not None and v.mofed_installed and v.peermem_loaded
+
+
+def test_the_operator_containers_know_nothing_of_the_agent() -> None:
+    # Same mode, same seed: the GPU driver column reads the same up to the first moment
+    # the agent changes the node (its first module operation).
+    without, with_agent = run("kernel-upgrade-race", False), run("kernel-upgrade-race", True)
+    first_agent_op = min(t for t, who, _what in r_ops(with_agent) if who == "nodeagent")
+    before = lambda r: [  # noqa: E731
+        (e.t, e.text) for e in r.events if e.column == "GPU driver" and e.t < first_agent_op
+    ]
+    assert before(without) == before(with_agent) and before(without)
+    assert not any("nodeagent" in e.text for e in with_agent.events if e.column != "agent")
 
 
 def test_mofed_upgrade_agent_unloads_peermem_when_the_restart_begins() -> None:

@@ -1,0 +1,73 @@
+"""One agent per node: an exclusive ``flock`` on ``<root>/run/nodeagent/agent.lock``.
+
+Our own file, never MOFED's ``.lock``. The holder writes its pid into it so
+a second ``nodeagent run`` on the same host root can name it in its one-line
+refusal. The kernel drops the lock when the holder dies (even by kill -9), so
+a stale file never blocks a restart. ``check``, ``status`` and ``wait`` do not
+touch it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+from nodeagent.errors import NodeagentError
+from nodeagent.host.fs import HostRoot
+
+
+class AgentRunning(NodeagentError):
+    """Another agent holds the lock on this host root."""
+
+
+class AgentLock:
+    def __init__(self, host: HostRoot, state_dir: str) -> None:
+        self.host = host
+        self.dir = state_dir
+        self.rel = f"{state_dir}/agent.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise AgentRunning (naming the holder) / NodeagentError."""
+        dfd = self.host.open_dir(self.dir, create=True)
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open("agent.lock", flags, 0o644, dir_fd=dfd)
+            except OSError as exc:
+                raise NodeagentError(f"{self.rel}: cannot open: {exc.strerror}") from None
+        finally:
+            os.close(dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NodeagentError(f"{self.rel} is not a regular file; refusing")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise NodeagentError(f"{self.rel}: cannot lock: {exc.strerror}") from None
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                who = f"pid {holder}" if holder.isascii() and holder.isdigit() else "unknown pid"
+                raise AgentRunning(
+                    f"another nodeagent ({who}) is running on this host root (it holds {self.rel})"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    def __enter__(self) -> AgentLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

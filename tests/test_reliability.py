@@ -1,0 +1,268 @@
+"""The promises around the gate, one test each: see docs/reliability.md.
+
+Two agents on one host root; SIGTERM while a pass is stuck; an inotify
+overflow wakes a pass; reads resolve inside the host root (openat2 and the
+fallback walk); `status` tells a dead agent from an idle one; bookkeeping
+failures never skip the MOFED-restart unload and never leave an open gate.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeagent.agent import Agent
+from nodeagent.cli import main
+from nodeagent.config import Config
+from nodeagent.host import fs
+from nodeagent.host.events import FileWatch, Poke
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.gatefile import GateFiles
+from nodeagent.sim.node import GATE, READY
+
+from .healthy import healthy_node
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+
+
+def eventually(pred: object, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for: {what}")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
+    (tmp_path / "sys/module").mkdir(parents=True)
+    return tmp_path
+
+
+# -- one agent per node ----------------------------------------------------------
+
+
+def test_a_second_agent_refuses_and_the_first_keeps_working(root: Path) -> None:
+    first = subprocess.Popen(
+        [PY, "-m", "nodeagent", "run", "--host-root", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    status = root / "run/nodeagent/status.json"
+    try:
+        eventually(status.exists, "the first agent's first pass")
+        before = json.loads(status.read_text())["time"]
+        second = subprocess.run(
+            [PY, "-m", "nodeagent", "run", "--host-root", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 2
+        assert second.stderr.count("\n") == 1 and f"(pid {first.pid})" in second.stderr
+        assert "run/nodeagent/agent.lock" in second.stderr and "Traceback" not in second.stderr
+        # The first one still reconciles: a marker change wakes it for another pass.
+        (root / "run/mellanox/drivers").mkdir(parents=True, exist_ok=True)
+        (root / READY).touch()
+        eventually(lambda: json.loads(status.read_text())["time"] > before, "another pass")
+        assert first.poll() is None
+        kinds = [json.loads(x)["kind"] for x in (root / "var/lib/nodeagent/timeline.jsonl")
+                 .read_text().splitlines()]  # fmt: skip
+        assert kinds.count("start") == 1, "the refused agent wrote nothing"
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=5) == 0
+
+
+def test_the_lock_is_released_when_the_holder_dies(root: Path) -> None:
+    holder = subprocess.Popen(
+        [PY, "-m", "nodeagent", "run", "--host-root", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    eventually((root / "run/nodeagent/status.json").exists, "first pass")
+    holder.kill()
+    holder.wait(timeout=5)
+    again = subprocess.run(
+        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert again.returncode == 0, again.stderr
+
+
+# -- SIGTERM whatever the agent is doing ---------------------------------------------
+
+STUCK_AGENT = """
+import sys, time
+from nodeagent.host.observe import Observer
+Observer.observe = lambda self, now: time.sleep(3600)  # a pass that never ends
+from nodeagent.cli import main
+sys.exit(main(["run", "--host-root", sys.argv[1]]))
+"""
+
+
+def test_sigterm_stops_a_daemon_stuck_in_a_pass_within_two_seconds(root: Path) -> None:
+    proc = subprocess.Popen(
+        [PY, "-c", STUCK_AGENT, str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    try:
+        eventually(timeline.exists, "the daemon started (and is now stuck in its pass)")
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=2.0)  # the promise; TimeoutExpired fails the test
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    assert proc.stderr is not None and "did not finish within" in proc.stderr.read().decode()
+
+
+# -- inotify overflow ----------------------------------------------------------------
+
+
+def test_inotify_overflow_wakes_the_loop(tmp_path: Path) -> None:
+    """watchdog drops IN_Q_OVERFLOW for non-recursive watches; ours turns it into a wake-up.
+
+    The overflow is delivered through watchdog's own dispatch (the event the
+    kernel sends: wd -1, IN_Q_OVERFLOW); a real overflow is provoked on the
+    real kernel in tests/realkernel/test_paths_real.py.
+    """
+    from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent
+
+    poke = Poke()
+    watch = FileWatch(tmp_path, [tmp_path / "run"], poke)
+    try:
+        poke.drain()
+        inotify_fd = watch._observer._inotify_fd  # type: ignore[attr-defined]
+        inotify_fd.handle_event(InotifyEvent(-1, InotifyConstants.IN_Q_OVERFLOW, 0, b""))
+        assert any("overflow" in why for why in poke.drain())
+    finally:
+        watch.close()
+        poke.close()
+
+
+# -- paths resolve inside the host root -------------------------------------------
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if request.param == "walk":
+        monkeypatch.setattr(fs, "_have_openat2", False)
+    yield request.param
+
+
+def test_absolute_symlink_resolves_inside_the_root(tmp_path: Path, resolver: str) -> None:
+    host_root = tmp_path / "host"
+    (host_root / "usr/lib/modules/k").mkdir(parents=True)
+    (host_root / "usr/lib/modules/k/m.ko").write_bytes(b"the node's")
+    (host_root / "lib").symlink_to("/usr/lib")  # merged /usr, as the node spells it
+    (host_root / "weak.ko").symlink_to("/lib/modules/k/m.ko")
+    host = HostRoot(host_root)
+    assert host.read_bytes("lib/modules/k/m.ko") == b"the node's"
+    assert host.read_bytes("weak.ko", follow=True) == b"the node's"
+    with pytest.raises(OSError) as ei:  # a final symlink is refused where not asked for
+        host.read_bytes("weak.ko")
+    assert ei.value.errno == errno.ELOOP
+
+
+def test_a_symlink_cannot_leave_the_root(tmp_path: Path, resolver: str) -> None:
+    host_root = tmp_path / "host"
+    host_root.mkdir()
+    (tmp_path / "secret").write_bytes(b"container's")
+    (host_root / "up").symlink_to("../secret")
+    (host_root / "deep").symlink_to("../../../../../../../.." + str(tmp_path / "secret"))
+    (host_root / "abs").symlink_to(str(tmp_path / "secret"))
+    host = HostRoot(host_root)
+    for rel in ("up", "deep", "abs", "../secret"):
+        with pytest.raises((OSError, fs.NodeagentError)):
+            host.read_bytes(rel, follow=True)
+    (host_root / "secret").write_bytes(b"node's")  # '..' at the root stays at the root
+    assert host.read_bytes("up", follow=True) == b"node's"
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path, resolver: str) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(fs.NotRegularFile, match="FIFO"):
+        HostRoot(tmp_path).read_bytes("fifo")
+
+
+# -- status: dead or idle -------------------------------------------------------------
+
+
+def test_status_tells_a_dead_agent_from_an_idle_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = healthy_node(tmp_path)
+    try:
+        cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=30)
+        agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+        agent.run_pass(["test"])
+        assert main(["status", "--host-root", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert "agent reconciling: last pass" in out and "gate file: open (confirmed" in out
+        assert main(["wait", "peermem", "--host-root", str(tmp_path), "--timeout", "0"]) == 0
+        # The agent dies; two hours later its gate file no longer vouches for anything.
+        later = time.time() + 7200
+        agent.clock = lambda: later
+        status = json.loads((tmp_path / "run/nodeagent/status.json").read_text())
+        status["time"] -= 7200
+        (tmp_path / "run/nodeagent/status.json").write_text(json.dumps(status))
+        gate = json.loads((tmp_path / GATE).read_text())
+        GateFiles(HostRoot(tmp_path), "run/nodeagent").confirm(
+            "peermem", gate["confirmed_at"] - 7200, 30
+        )
+        capsys.readouterr()
+        assert main(["status", "--host-root", str(tmp_path)]) == 1
+        out = capsys.readouterr().out
+        assert out.count("agent not reconciling since") == 2  # the agent line and the gate's
+        assert main(["wait", "peermem", "--host-root", str(tmp_path), "--timeout", "0"]) == 1
+        assert "agent not reconciling since" in capsys.readouterr().err
+    finally:
+        node.kernel.uevent_source.close()
+
+
+# -- the command line ---------------------------------------------------------------
+
+
+def test_output_to_a_closed_pipe_exits_quietly(root: Path) -> None:
+    proc = subprocess.Popen(
+        [PY, "-m", "nodeagent", "check", "--host-root", str(root), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # `check | head -0`: the reader is gone before anything is written
+    rc = proc.wait(timeout=30)
+    assert rc == 141 and proc.stderr.read() == b""
+
+
+def test_status_json_keeps_the_agents_document_and_adds_liveness(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    once = subprocess.run(
+        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(root)],
+        capture_output=True,
+        timeout=30,
+    )
+    assert once.returncode == 0
+    assert main(["status", "--host-root", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["guards"]["peermem"]["verdict"] == "closed" and doc["mode"] == "observe"
+    assert doc["agent"]["reconciling"] is True
+    assert doc["gate_files"]["peermem"]["is_open"] is False
