@@ -42,6 +42,9 @@ class Needs:
     # symlink, directory or FIFO there counts as present; elsewhere as absent.
     present_if_odd: frozenset[str] = frozenset()
     listings: frozenset[str] = frozenset()  # directories whose entry names are read, watched
+    # Small text files whose content is read each pass (procfs: not watched; they change
+    # with a module load, which a uevent reports), e.g. proc/driver/nvidia/version.
+    texts: frozenset[str] = frozenset()
     watch: frozenset[str] = frozenset()  # further directories to watch (e.g. for a hold file)
     locks: bool = False  # /proc/locks
     mounts: bool = False  # /proc/1/mountinfo
@@ -63,6 +66,7 @@ class Needs:
                 files=out.files | n.files,
                 present_if_odd=out.present_if_odd | n.present_if_odd,
                 listings=out.listings | n.listings,
+                texts=out.texts | n.texts,
                 watch=out.watch | n.watch,
                 locks=out.locks or n.locks,
                 mounts=out.mounts or n.mounts,
@@ -77,6 +81,7 @@ class Needs:
             files=out.files,
             present_if_odd=out.present_if_odd,
             listings=out.listings,
+            texts=out.texts,
             watch=out.watch,
             locks=out.locks,
             mounts=out.mounts,

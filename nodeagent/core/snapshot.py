@@ -75,6 +75,15 @@ class FileFact:
 
 
 @dataclass(frozen=True)
+class TextFact:
+    """A small text file's content (None when absent or unreadable: see ``problem``)."""
+
+    path: str  # relative to the host root
+    text: str | None
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
 class FileLock:
     """One line of /proc/locks: who holds which lock on which file (device, inode)."""
 
@@ -124,6 +133,7 @@ class NodeSnapshot:
     disk: Mapping[str, DiskModule]  # the .ko files guards compare against, by module name
     files: Mapping[str, FileFact] = field(default_factory=lambda: EMPTY)  # by path
     listings: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)  # dir -> names
+    texts: Mapping[str, TextFact] = field(default_factory=lambda: EMPTY)  # by path
     locks: tuple[FileLock, ...] = ()
     mounts: tuple[Mount, ...] = ()
     nvme: tuple[NvmeController, ...] = ()
@@ -142,3 +152,6 @@ class NodeSnapshot:
 
     def listing(self, path: str) -> tuple[str, ...]:
         return self.listings.get(path, ())
+
+    def text(self, path: str) -> TextFact:
+        return self.texts.get(path) or TextFact(path=path, text=None, problem="not observed")

@@ -37,6 +37,7 @@ from nodeagent.core.snapshot import (
     NodeSnapshot,
     NvmeController,
     NvmetPort,
+    TextFact,
 )
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.moddep import find_module, module_dependencies
@@ -273,6 +274,15 @@ class Observer:
             return "unknown", [f"kernel release at {rel} is malformed: {kernel[:60]!r}"]
         return kernel, []
 
+    def read_text_fact(self, rel: str) -> TextFact:
+        """A small text file (first 4 KiB); absent or unreadable is a fact, not an error."""
+        try:
+            return TextFact(rel, self.host.read_text(rel, 4096))
+        except FileNotFoundError:
+            return TextFact(rel, None, "absent")
+        except OSError as exc:
+            return TextFact(rel, None, f"unreadable: {exc.strerror}")
+
     def observe(self, now: float) -> NodeSnapshot:
         needs = self.needs
         kernel, problems = self.read_kernel()
@@ -304,6 +314,7 @@ class Observer:
             listings=MappingProxyType(
                 {d: tuple(self.host.listdir(d)) for d in sorted(needs.listings)}
             ),
+            texts=MappingProxyType({t: self.read_text_fact(t) for t in sorted(needs.texts)}),
             locks=locks,
             mounts=mounts,
             nvme=nvme,
