@@ -119,10 +119,14 @@ class RecordingKernel:
         self.loaded_at: float | None = None
         self.loaded = threading.Event()
 
-    def insert_file(self, path: str, params: Sequence[str]) -> None:
+    def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
+        """The agent loads by the descriptor it verified (finit_module)."""
         self.loaded_at = time.perf_counter()
         sysfs_module(self.root, "nvidia_peermem", "C" * 23)
         self.loaded.set()
+
+    def insert_file(self, path: str, params: Sequence[str]) -> None:
+        raise AssertionError("the agent loads by descriptor")
 
     def remove(self, name: str) -> None:
         shutil.rmtree(self.root / "sys/module" / name)
@@ -203,6 +207,14 @@ def polling_trials(trials: int, period: float = 5.0) -> list[float]:
         return [s - created for s in seen]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def pass_cost(loaded: int, passes: int = 40) -> tuple[float, float]:
     """p50 and p99 of one whole pass (observe, decide, publish) in observe mode, in ms."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,8 +239,9 @@ def idle_usage(seconds: float) -> tuple[float, float, float]:
         root = Path(tmp)
         build_node(root)
         (root / FLAG).parent.mkdir(parents=True, exist_ok=True)
+        metrics = ["--metrics-address", f"127.0.0.1:{free_port()}"]  # served, as deployed
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root)],
+            [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root), *metrics],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             cwd=Path(__file__).resolve().parent.parent,

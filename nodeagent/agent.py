@@ -46,7 +46,9 @@ def action_record(o: ActionOutcome) -> dict[str, Any]:
     return {
         "kind": "action",
         "guard": o.action.guard,
+        "module": getattr(o.action, "module", None),
         "action": o.action.describe(),
+        "seconds": None if o.seconds is None else round(o.seconds, 6),
         "reason": o.action.reason,
         "performed": o.performed,
         "ok": o.ok,
@@ -62,6 +64,10 @@ class PassResult:
     verdicts: dict[str, Verdict]
     outcomes: tuple[ActionOutcome, ...]
     wake_at: float | None
+    # For the exporters: what woke this pass and when it began (agent clock); each
+    # performed outcome carries when it finished and how long it took.
+    woken_by: tuple[str, ...] = ()
+    started: float = 0.0
 
 
 class Agent:
@@ -97,6 +103,7 @@ class Agent:
             module_ops or default_module_ops(),
             kernel_log or kmsg_reader(cfg.kmsg),
             verified_fd=self.observer.verified_fd,  # load the very file the gate checked
+            clock=clock,
         )
         self.state = StateStore(self.host, cfg.paths.state_dir, clock)
         self.gates = GateFiles(self.host, cfg.paths.state_dir)
@@ -183,6 +190,8 @@ class Agent:
                         "kind": "decision",
                         "guard": guard,
                         "verdict": verdict.verdict,
+                        "ok": verdict.ok,
+                        "gate": guard in self.reconciler.gates,
                         "reasons": list(verdict.reasons),
                         "events": [e for g, e in rec.events if g == guard],
                         "actions": [a.describe() for a in rec.actions if a.guard == guard],
@@ -215,7 +224,14 @@ class Agent:
         with self._pass_done:
             self.passes += 1
             self._pass_done.notify_all()
-        return PassResult(snap, dict(rec.verdicts), tuple(outcomes), rec.wake_at)
+        return PassResult(
+            snap,
+            dict(rec.verdicts),
+            tuple(outcomes),
+            rec.wake_at,
+            woken_by=tuple(woken_by),
+            started=now,
+        )
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)

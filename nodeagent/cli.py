@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", choices=["observe", "enforce"], help="observe (default) or enforce")
     run.add_argument("--once", action="store_true", help="one pass, then exit")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--metrics-address",
+        help="HOST:PORT for /metrics, /healthz, /readyz, or 'off' (default 127.0.0.1:9808)",
+    )
 
     check = sub.add_parser("check", help="one observation: every guard's verdict and reasons")
     _common(check)
@@ -119,7 +123,12 @@ def _main(argv: list[str]) -> int:
         return int(exc.code or 0) if isinstance(exc.code, int | None) else EXIT_USAGE
     try:
         _check_config_file(args.config)
-        cfg = load_config(args.config, host_root=args.host_root, mode=getattr(args, "mode", None))
+        cfg = load_config(
+            args.config,
+            host_root=args.host_root,
+            mode=getattr(args, "mode", None),
+            metrics_address=getattr(args, "metrics_address", None),
+        )
         if args.command == "run":
             return cmd_run(cfg, args.once, args.log_level)
         if args.command == "check":
@@ -164,17 +173,23 @@ def safe(text: object) -> str:
 
 def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     from nodeagent.agent import Agent
+    from nodeagent.exporters import build_exporters
     from nodeagent.host.agentlock import AgentLock
     from nodeagent.host.events import StopOnSignal
     from nodeagent.host.fs import HostRoot
     from nodeagent.log import setup_logging
 
     setup_logging(log_level)
-    # One agent per node; the lock is taken before anything is read or written.
+    # One agent per node; the lock is taken before anything is read or written
+    # (or a metrics port bound).
     with AgentLock(HostRoot(cfg.host_root), cfg.paths.state_dir):
-        agent = Agent(cfg)
-        with StopOnSignal(agent.stop, grace_seconds=1.5):
-            agent.run(once=once)
+        exporters = build_exporters(cfg, once)
+        try:
+            agent = Agent(cfg, on_record=exporters.on_record, on_pass=exporters.on_pass)
+            with StopOnSignal(agent.stop, grace_seconds=1.5):
+                agent.run(once=once)
+        finally:
+            exporters.close()
     return 0
 
 

@@ -31,6 +31,9 @@ class Config:
     timeline_keep: int = 3
     kmsg: str = "/dev/kmsg"  # the kernel's log device (not under the host root)
     uevents: bool = True
+    # HOST:PORT for /metrics, /healthz, /readyz; loopback unless configured; "off": none.
+    metrics_address: str = "127.0.0.1:9808"
+    journal: bool = True  # records to the host journal (the stderr JSON lines always)
     paths: HostPaths = field(default_factory=HostPaths)
     # Each guard's policy by guard name, parsed by the guard's own entry in core/registry.py;
     # a guard missing here runs with its default policy.
@@ -40,6 +43,11 @@ class Config:
         if guard in self.policies:
             return self.policies[guard]
         return entry(guard).default_policy
+
+    @property
+    def liveness_seconds(self) -> float:
+        """/healthz fails after this long without a completed pass (3 resyncs, at least 60 s)."""
+        return max(60.0, 3 * self.resync_seconds)
 
 
 def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> Config:
@@ -67,8 +75,11 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
         if not isinstance(data["kmsg"], str) or not data["kmsg"].startswith("/"):
             raise NodeagentError(f"config kmsg: expected an absolute path, got {data['kmsg']!r}")
         changes["kmsg"] = data["kmsg"]
-    if "uevents" in data:
-        changes["uevents"] = cfgval.boolean("uevents", data["uevents"])
+    for key in ("uevents", "journal"):
+        if key in data:
+            changes[key] = cfgval.boolean(key, data[key])
+    if "metrics_address" in data:
+        changes["metrics_address"] = _metrics_address(data["metrics_address"])
     if "paths" in data:
         p = cfgval.table("paths", data["paths"])
         cfgval.reject_unknown("paths", p, {f.name for f in fields(HostPaths)})
@@ -83,6 +94,25 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
             )
     changes["policies"] = policies
     return replace(cfg, **changes)
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` -> (host, port); a one-line error otherwise."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise NodeagentError(f"metrics address {value!r}: expected HOST:PORT, e.g. 127.0.0.1:9808")
+    return host, int(port)
+
+
+def _metrics_address(value: Any) -> str:
+    if value == "off":
+        return "off"
+    if not isinstance(value, str):
+        raise NodeagentError(f"metrics address: expected HOST:PORT or 'off', got {value!r}")
+    parse_address(value)
+    return value
 
 
 def _host_root(value: Any) -> str:
@@ -102,6 +132,7 @@ def load_config(
     *,
     host_root: str | None = None,
     mode: str | None = None,
+    metrics_address: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Config:
     """File < environment < flags. Raises NodeagentError with one line on any bad value."""
@@ -122,10 +153,14 @@ def load_config(
         cfg = replace(cfg, host_root=_host_root(env["NODEAGENT_HOST_ROOT"]))
     if env.get("NODEAGENT_MODE"):
         cfg = replace(cfg, mode=_mode(env["NODEAGENT_MODE"]))
+    if env.get("NODEAGENT_METRICS_ADDRESS"):
+        cfg = replace(cfg, metrics_address=_metrics_address(env["NODEAGENT_METRICS_ADDRESS"]))
     if host_root is not None:
         cfg = replace(cfg, host_root=_host_root(host_root))
     if mode is not None:
         cfg = replace(cfg, mode=_mode(mode))
+    if metrics_address is not None:
+        cfg = replace(cfg, metrics_address=_metrics_address(metrics_address))
     if not os.path.isdir(cfg.host_root):
         raise NodeagentError(f"host root {cfg.host_root}: not a directory")
     return cfg

@@ -70,7 +70,8 @@ def test_status_without_agent_says_so(root: Path) -> None:
 
 def test_sigterm_stops_the_daemon_within_two_seconds(root: Path) -> None:
     proc = subprocess.Popen(
-        [PY, "-m", "nodeagent", "run", "--host-root", str(root)],
+        # No metrics endpoint: a fixed port would collide with concurrent runs.
+        [PY, "-m", "nodeagent", "run", "--host-root", str(root), "--metrics-address", "off"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

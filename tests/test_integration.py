@@ -61,9 +61,9 @@ class RunningAgent:
         assert not self.thread.is_alive()
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path, KVER, seed=0)
+def build_node(root: Path) -> Node:
+    """A GPU node with MOFED's RDMA stack and nvidia loaded; no ready flag yet."""
+    n = Node(root, KVER, seed=0)
     n.kernel.init_delay = n.kernel.exit_delay = 0.0
     n.install(MOFED_2507, RDMA_MODULES, "mofed")
     n.write_headers(MOFED_2507, RDMA_MODULES)
@@ -72,6 +72,12 @@ def node(tmp_path: Path) -> Iterator[Node]:
         for m in STACK:
             n.kernel.modprobe(m, n.mofed_moddir)
         n.kernel.modprobe("nvidia", n.gpu_moddir)
+    return n
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = build_node(tmp_path)
     yield n
     n.kernel.uevent_source.close()
 

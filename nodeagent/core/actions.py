@@ -98,3 +98,6 @@ class ActionOutcome:
     error: str | None = None  # one line, e.g. "Invalid argument (EINVAL)"
     kernel_messages: tuple[str, ...] = ()  # the kernel's own lines about the module
     performed: bool = True  # False in observe mode: decided and recorded, not done
+    # Stamped by the host layer when performed (agent clock): when it ended, how long it took.
+    finished_at: float | None = None
+    seconds: float | None = None

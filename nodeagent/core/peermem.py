@@ -25,7 +25,7 @@ restart seen + peermem loaded with refcnt 0 -> unload it at once so
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,6 +50,7 @@ from nodeagent.core.names import validate_module_param
 from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import FileId, NodeSnapshot
+from nodeagent.core.telemetry import MetricFamily, Sample
 from nodeagent.errors import NodeagentError
 
 PEERMEM = "nvidia_peermem"
@@ -108,9 +109,41 @@ class PeermemMemory:
     last_signals: tuple[str, ...] = ()
 
 
+# The gate's conditions, by the name its metrics use (nodeagent_peermem_condition_holding).
+PEERMEM_CONDITIONS: tuple[str, ...] = (
+    "nvidia_live",
+    "mofed_ready_flag",
+    "mofed_ready_flag_fresh",
+    "mofed_not_restarting",
+    "rdma_stack_live",
+    "rdma_stack_on_disk",
+    "abi_crcs_match",
+)
+
+
 class PeermemGate:
     name = "peermem"
     gate = True
+    verdict_words: tuple[str, ...] = ("open", "closed")
+    metric_families: tuple[MetricFamily, ...] = (
+        MetricFamily(
+            "nodeagent_peermem_condition_holding",
+            "gauge",
+            "1 while this condition fails and so holds the peermem gate closed",
+            ("condition",),
+        ),
+        MetricFamily(
+            "nodeagent_peermem_mofed_ready",
+            "gauge",
+            "1 while MOFED says its stack is final (container: fresh ready flag, no blacklist; "
+            "host: the RDMA stack loaded and live)",
+        ),
+        MetricFamily(
+            "nodeagent_peermem_load_failures",
+            "gauge",
+            "consecutive failed nvidia_peermem loads (the retry backoff's count)",
+        ),
+    )
 
     def __init__(self, policy: PeermemPolicy | None = None, paths: HostPaths | None = None) -> None:
         self.policy = policy or PeermemPolicy()
@@ -130,6 +163,31 @@ class PeermemGate:
             present_if_odd=frozenset({self.mofed.blacklist}),
             listings=frozenset({paths.validations, paths.memory_peers}),
             texts=frozenset({paths.nvidia_version}),
+        )
+
+    # -- telemetry ------------------------------------------------------------
+
+    def metric_samples(self, verdict: Verdict, actions: Sequence[ActionOutcome]) -> list[Sample]:
+        ev = verdict.evidence
+        holding = set(ev.get("holding", ()))
+        out = [
+            Sample("nodeagent_peermem_condition_holding", {"condition": c}, float(c in holding))
+            for c in PEERMEM_CONDITIONS
+        ]
+        out.append(Sample("nodeagent_peermem_mofed_ready", {}, float(bool(ev.get("mofed_ready")))))
+        failures = (ev.get("peermem") or {}).get("failures", 0)
+        out.append(Sample("nodeagent_peermem_load_failures", {}, float(failures)))
+        return out
+
+    def mofed_ready(self, snap: NodeSnapshot, memory: PeermemMemory) -> bool:
+        if self.policy.mofed == "container":
+            return (
+                snap.file(self.mofed.ready).present
+                and not memory.restart_pending
+                and not snap.file(self.mofed.blacklist).present
+            )
+        return all(
+            (m := snap.module(name)) is not None and m.live for name in self.policy.rdma_stack
         )
 
     # -- memory -------------------------------------------------------------
@@ -194,6 +252,12 @@ class PeermemGate:
         events: list[str] = []
         evidence: dict[str, Any] = {"mofed_mode": pol.mofed}
         reasons: list[str] = []
+        holding: list[str] = []  # the PEERMEM_CONDITIONS that fail, for the metrics
+
+        def fail(condition: str, reason: str) -> None:
+            reasons.append(reason)
+            if condition not in holding:
+                holding.append(condition)
 
         # Memory first: a restart seen now makes the current ready flag stale.
         ready = snap.file(self.mofed.ready)
@@ -225,9 +289,10 @@ class PeermemGate:
         nvidia = snap.module(NVIDIA)
         evidence["nvidia"] = module_evidence(nvidia)
         if nvidia is None:
-            reasons.append("nvidia is not loaded")
+            fail("nvidia_live", "nvidia is not loaded")
         elif not nvidia.live:
-            reasons.append(f"nvidia is not live (initstate {nvidia.initstate or 'unreadable'})")
+            state = nvidia.initstate or "unreadable"
+            fail("nvidia_live", f"nvidia is not live (initstate {state})")
 
         # 2, 3. the MOFED container's own markers
         if pol.mofed == "container":
@@ -237,20 +302,22 @@ class PeermemGate:
                 "stale": memory.restart_pending and ready.present,
             }
             if not ready.present:
-                reasons.append(
+                fail(
+                    "mofed_ready_flag",
                     f"MOFED ready flag {ready.path} is absent"
-                    + (f" ({ready.problem})" if ready.problem else "")
+                    + (f" ({ready.problem})" if ready.problem else ""),
                 )
             elif memory.restart_pending:
-                reasons.append(
+                fail(
+                    "mofed_ready_flag_fresh",
                     f"MOFED ready flag {ready.path} is stale: it predates the last MOFED restart "
-                    "the agent saw"
+                    "the agent saw",
                 )
             bl = snap.file(self.mofed.blacklist)
             evidence["mofed_blacklist"] = {"path": bl.path, "present": bl.present}
             if bl.present:
                 odd = f"; {bl.problem}" if bl.problem else ""
-                reasons.append(f"MOFED is restarting openibd ({bl.path} exists{odd})")
+                fail("mofed_not_restarting", f"MOFED is restarting openibd ({bl.path} exists{odd})")
 
         # 4, 5. the RDMA stack, live and the one on disk
         stack_ev: dict[str, Any] = {}
@@ -259,14 +326,17 @@ class PeermemGate:
             disk = snap.disk_module(name)
             stack_ev[name] = {**module_evidence(loaded), "disk": disk_evidence(disk)}
             if loaded is None:
-                reasons.append(f"{name} is not loaded")
+                fail("rdma_stack_live", f"{name} is not loaded")
                 continue
             if not loaded.live:
-                reasons.append(f"{name} is not live (initstate {loaded.initstate or 'unreadable'})")
+                fail(
+                    "rdma_stack_live",
+                    f"{name} is not live (initstate {loaded.initstate or 'unreadable'})",
+                )
                 continue
             mismatch = identity_mismatch(loaded, disk)
             if mismatch:
-                reasons.append(mismatch)
+                fail("rdma_stack_on_disk", mismatch)
         evidence["rdma_stack"] = stack_ev
 
         # 6. ABI preflight: only meaningful once the stack is otherwise right.
@@ -276,7 +346,10 @@ class PeermemGate:
             {d: (snap.module(d), snap.disk_module(d)) for d in peermem_disk.depends},
         )
         evidence["abi"] = abi_ev
-        reasons.extend(abi_reasons)
+        for r in abi_reasons:
+            fail("abi_crcs_match", r)
+        evidence["holding"] = holding
+        evidence["mofed_ready"] = self.mofed_ready(snap, memory)
 
         # Which GPUDirect path the node can take. It only informs (a closed gate says
         # whether peermem is needed at all); it is never a reason to unload peermem:

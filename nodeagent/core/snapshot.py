@@ -116,6 +116,16 @@ class NvmeController:
 
 
 @dataclass(frozen=True)
+class NvmetPort:
+    """An NVMe-oF target port under /sys/kernel/config/nvmet/ports (the target side)."""
+
+    name: str  # the port's configfs directory, e.g. "1"
+    transport: str  # addr_trtype: rdma, tcp, loop, fc
+    address: str  # addr_traddr:addr_trsvcid
+    subsystems: tuple[str, ...]  # NQNs linked to the port (enabled while non-empty)
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     now: float  # seconds; wall clock of the observation (guards never read a clock)
     kernel: str
@@ -127,6 +137,7 @@ class NodeSnapshot:
     locks: tuple[FileLock, ...] = ()
     mounts: tuple[Mount, ...] = ()
     nvme: tuple[NvmeController, ...] = ()
+    nvmet_ports: tuple[NvmetPort, ...] = ()
     sriov: tuple[Any, ...] = ()  # SR-IOV PFs read through netlink (the VF guard's type)
     problems: tuple[str, ...] = ()  # node-wide read problems (e.g. /sys/module unreadable)
 

@@ -20,8 +20,9 @@ import errno
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tenacity import (
@@ -189,9 +190,11 @@ class Actuator:
         first_wait_s: float = 0.05,
         executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
         verified_fd: Callable[[str], int | None] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it)."""
         hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s, verified_fd)
+        self.clock = clock
         self.table: dict[type, Handler] = {}
         for make in executors:
             for kind, handler in make(hands).handlers().items():
@@ -204,6 +207,13 @@ class Actuator:
         }
 
     def perform(self, action: Action) -> ActionOutcome:
+        """Run one action; its outcome is stamped with when it ended and how long it took."""
+        began = self.clock()
+        outcome = self._perform(action)
+        done = self.clock()
+        return replace(outcome, finished_at=done, seconds=max(0.0, done - began))
+
+    def _perform(self, action: Action) -> ActionOutcome:
         handler = self.table.get(type(action))
         if handler is None:
             return ActionOutcome(

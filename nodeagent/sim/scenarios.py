@@ -199,7 +199,10 @@ def _storage_module_race(node: Node, agent: bool) -> Cast:
     ):
         sched.spawn(why, functools.partial(host_modprobe, node, mods, why), delay=t - sched.now())
     sched.spawn("nfs-mount", nfs_mount(node), delay=1107 - sched.now())
-    mofed = mofed_container(node, MofedSpec(MOFED_2501, "25.01-0.6.0.0"))
+    # The Go entrypoint's log: ~1.7 s from clearing the ready flag to the storage check.
+    mofed = mofed_container(
+        node, MofedSpec(MOFED_2501, "25.01-0.6.0.0", nfsrdma=True, prestart_s=1.7)
+    )
     gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=15, build_s=120))
     sidecar = peermem_sidecar(node, gpu)
     _start_at(node, 1200.0, mofed)
@@ -495,7 +498,8 @@ def _agent_events(node: Node, records: list[dict[str, Any]]) -> list[SimEvent]:
         if reasons:
             more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
             why = f": {reasons[0]}{more}"
-        return SimEvent(t, "agent", f"{rec.get('guard')} gate {rec.get('verdict')}{why}")
+        name = f"{rec.get('guard')} gate" if rec.get("gate", True) else f"{rec.get('guard')}:"
+        return SimEvent(t, "agent", f"{name} {rec.get('verdict')}{why}")
 
     started = False
 
@@ -503,7 +507,8 @@ def _agent_events(node: Node, records: list[dict[str, Any]]) -> list[SimEvent]:
         out.append(SimEvent(0.0, "agent", f"nodeagent running since boot ({mode} mode)"))
         for guard, prev in before.items():
             last[guard] = str(prev.get("verdict"))
-            out.append(gate_line(0.0, prev))
+            if prev.get("gate", True) or not prev.get("ok", True):  # a quiet guard says nothing
+                out.append(gate_line(0.0, prev))
 
     for rec in records:
         t = float(rec.get("ts", 0.0))

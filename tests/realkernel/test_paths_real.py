@@ -9,6 +9,7 @@ none; a compressed module goes through the same descriptor.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import lzma
 import os
@@ -18,10 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.config import Config
+from nodeagent.core.actions import LoadModuleFile
+from nodeagent.core.needs import DiskNeed, Needs
 from nodeagent.host import fs
+from nodeagent.host.act import Actuator, kmsg_reader
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError
+from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError, insert_module_fd
 from nodeagent.host.modfile import read_module_fd
+from nodeagent.host.observe import Observer
 
 from .modbuild import KModule
 
@@ -94,9 +100,58 @@ def test_finit_module_by_descriptor_of_a_compressed_module(
     xz.write_bytes(lzma.compress(built_modules(NA_FD).read_bytes(), check=lzma.CHECK_CRC32))
     fd = os.open(xz, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        LibKmod().insert_fd(fd, "na_fd", [])
+        # Debian's 6.1 kernel does not decompress modules itself: it answers the
+        # MODULE_INIT_COMPRESSED_FILE flag with EOPNOTSUPP (an older one would say
+        # EINVAL). insert_fd then decompresses the same descriptor for init_module.
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(313, fd, b"", 4) == -1
+        assert ctypes.get_errno() in (errno.EOPNOTSUPP, errno.EINVAL)
+        insert_module_fd(fd, "na_fd", [])
         assert (SYS / "na_fd/initstate").read_text().strip() == "live"
     finally:
         os.close(fd)
+        if (SYS / "na_fd").exists():
+            LibKmod().remove("na_fd")
+
+
+def test_the_agent_loads_the_file_its_observer_verified(
+    built_modules: Callable[[KModule], Path], tmp_path: Path
+) -> None:
+    """The observer reads the .ko through modules.dep inside a host root; then the path
+    names junk; the actuator loads what was verified, by its descriptor. A file whose
+    inode changed since (unlinked: its ctime moves) is refused until checked again."""
+    kver = os.uname().release
+    root = tmp_path / "host"
+    moddir = root / f"run/nvidia/driver/lib/modules/{kver}"
+    (moddir / "extra").mkdir(parents=True)
+    (moddir / "extra/na_fd.ko").write_bytes(built_modules(NA_FD).read_bytes())
+    (moddir / "modules.dep").write_text("extra/na_fd.ko:\n")
+    (root / "proc/sys/kernel").mkdir(parents=True)
+    (root / "proc/sys/kernel/osrelease").write_text(kver + "\n")
+    host = HostRoot(root)
+    needs = Needs(disk=(DiskNeed("na_fd", ("run/nvidia/driver",)),))
+    observer = Observer(host, Config(host_root=str(root)), needs)
+    disk = observer.observe(0.0).disk["na_fd"]
+    assert disk.problem is None and disk.path is not None
+    # The directory moves away (the verified file itself is untouched) and the
+    # path now names junk: a lookup by path would load the junk.
+    (moddir / "extra").rename(moddir / "moved")
+    (moddir / "extra").mkdir()
+    (moddir / "extra/na_fd.ko").write_bytes(b"\x7fELF not what was verified")
+    act = Actuator(host, LibKmod(), kmsg_reader(), verified_fd=observer.verified_fd)
+    load = LoadModuleFile(
+        guard="t", module="na_fd", path=disk.path, params=("answer=9",), reason="t"
+    )
+    try:
+        outcome = act.perform(load)
+        assert outcome.ok, outcome.error
+        assert (SYS / "na_fd/parameters/answer").read_text().strip() == "9"
+        LibKmod().remove("na_fd")
+        (moddir / "moved/na_fd.ko").unlink()  # the verified inode changes (its ctime)
+        refused = act.perform(load)
+        assert not refused.ok and "changed" in (refused.error or "")
+        assert not (SYS / "na_fd").exists()
+    finally:
+        observer.close()
         if (SYS / "na_fd").exists():
             LibKmod().remove("na_fd")

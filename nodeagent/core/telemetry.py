@@ -1,0 +1,99 @@
+"""What a guard tells the exporters about itself: its verdict words and its own metrics.
+
+Pure declarations, no metrics library: ``nodeagent.metrics`` turns them into
+Prometheus series, ``nodeagent.journal`` into journal fields. A new guard
+brings its own series by declaring them here, next to its decision code:
+
+- ``verdict_words``: every verdict word the guard can return, in order (the
+  states of ``nodeagent_guard_state{guard,state}``); default ``open, closed``.
+- ``metric_families``: extra families (name, kind, help, label names).
+- ``metric_samples(verdict, outcomes)``: the values for one pass, from the
+  verdict it just returned and the outcomes of its actions in that pass
+  (``ActionOutcome.seconds``: how long each took, when performed).
+  Gauge families are replaced every pass (a series not sampled disappears);
+  counter samples add, histogram samples are observations.
+
+Labels must be bounded: names from config, condition names, PCI addresses;
+never free text such as a reason or an error message.
+
+The coupling to the guard and verdict shape lives here and only here
+(``verdict_words``, ``verdict_ok``), so a change of that shape is one edit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from nodeagent.core.actions import ActionOutcome
+from nodeagent.core.guard import Verdict
+
+MetricKind = Literal["gauge", "counter", "histogram"]
+
+DEFAULT_VERDICT_WORDS: tuple[str, ...] = ("open", "closed")
+
+# Seconds: from sub-millisecond module operations to a slow VF re-creation.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+
+@dataclass(frozen=True)
+class MetricFamily:
+    """One metric family a guard adds (full name, ``nodeagent_`` prefix included)."""
+
+    name: str
+    kind: MetricKind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = LATENCY_BUCKETS  # histograms only
+
+
+@dataclass(frozen=True)
+class Sample:
+    family: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    value: float = 1.0
+
+
+class GuardTelemetry(Protocol):
+    """The optional part of a guard the exporters read (all members optional)."""
+
+    name: str
+    verdict_words: tuple[str, ...]
+    metric_families: tuple[MetricFamily, ...]
+
+    def metric_samples(
+        self, verdict: Verdict, outcomes: Sequence[ActionOutcome]
+    ) -> Iterable[Sample]: ...
+
+
+def verdict_words(guard: Any) -> tuple[str, ...]:
+    return tuple(getattr(guard, "verdict_words", DEFAULT_VERDICT_WORDS))
+
+
+def verdict_ok(verdict: Verdict) -> bool:
+    return bool(verdict.ok)
+
+
+def guard_families(guard: Any) -> tuple[MetricFamily, ...]:
+    return tuple(getattr(guard, "metric_families", ()))
+
+
+def guard_samples(guard: Any, verdict: Verdict, outcomes: Sequence[ActionOutcome]) -> list[Sample]:
+    sampler = getattr(guard, "metric_samples", None)
+    return [] if sampler is None else list(sampler(verdict, outcomes))

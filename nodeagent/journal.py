@@ -1,0 +1,234 @@
+"""Records to the host journal through systemd's native protocol.
+
+One datagram per record to ``<host root>/run/systemd/journal/socket``, as
+``sd_journal_send`` would send it: ``NAME=value`` lines, or ``NAME``, a
+little-endian 64-bit length and the bytes for values with a newline. A record
+too large for one datagram goes in a sealed memfd whose descriptor is passed
+instead (what libsystemd does). Fields: ``MESSAGE`` (one line for a person),
+``MESSAGE_ID`` (stable per record kind: ``message_id``), ``PRIORITY``,
+``SYSLOG_IDENTIFIER=nodeagent`` and ``NODEAGENT_<KEY>`` for every key of the
+record (``guard`` -> ``NODEAGENT_GUARD``, ``module`` -> ``NODEAGENT_MODULE``,
+``pci`` -> ``NODEAGENT_PCI``; lists one item a line, objects as JSON).
+
+This exporter only reads records; the stderr JSON lines (``nodeagent.log``)
+are written whatever happens here. No socket (no journald, or the path is not
+mounted): stderr only, said once, and sending resumes when the socket returns.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+log = logging.getLogger("nodeagent.journal")
+
+IDENTIFIER = "nodeagent"
+# uuid5(this, "nodeagent.<kind>") is a record kind's MESSAGE_ID: stable across
+# versions and hosts, and defined for kinds added later without a table edit.
+MESSAGE_ID_NAMESPACE = uuid.UUID("5b0d64a4-3f57-4c07-9f0e-0a5e1d7c2b91")
+# The record kinds the agent writes today (docs/operations.md lists their ids).
+KNOWN_KINDS = ("start", "stop", "decision", "action", "pass-error", "state-problem")
+# Beyond this a record is sent without its evidence (journald's own cap is larger).
+MAX_ENTRY_BYTES = 8 * 1024 * 1024
+SKIPPED_KEYS = frozenset({"kind", "ts"})
+ABSENT_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES, errno.ENOTSOCK}
+)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+
+# syslog priorities
+ERR, WARNING, NOTICE, INFO = 3, 4, 5, 6
+
+
+def message_id(kind: str) -> str:
+    return uuid.uuid5(MESSAGE_ID_NAMESPACE, f"nodeagent.{kind}").hex
+
+
+def field_name(key: str) -> str:
+    """``NODEAGENT_<KEY>``: journald accepts A-Z, 0-9 and '_' in client field names."""
+    return "NODEAGENT_" + re.sub(r"[^A-Z0-9]", "_", key.upper())[:54]
+
+
+def _decision_message(rec: Mapping[str, Any]) -> str:
+    reasons = rec.get("reasons") or []
+    tail = ": " + "; ".join(str(r) for r in reasons) if reasons else ""
+    return f"{rec.get('guard')}: {rec.get('verdict')}{tail}"
+
+
+def _action_message(rec: Mapping[str, Any]) -> str:
+    done = "done" if rec.get("performed") else "decided (observe mode)"
+    result = "ok" if rec.get("ok") else f"failed: {rec.get('error')}"
+    return f"{rec.get('guard')}: {rec.get('action')} — {done}, {result}"
+
+
+MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
+    "decision": _decision_message,
+    "action": _action_message,
+    "start": lambda r: f"nodeagent started (mode {r.get('mode')}, host root {r.get('host_root')})",
+    "stop": lambda r: "nodeagent stopped",
+    "pass-error": lambda r: f"pass failed: {r.get('error')}",
+    "state-problem": lambda r: f"state problem: {r.get('problem')}",
+}
+
+
+def _decision_priority(rec: Mapping[str, Any]) -> int:
+    ok = rec.get("ok", rec.get("verdict") == "open")
+    return INFO if ok else NOTICE
+
+
+def _action_priority(rec: Mapping[str, Any]) -> int:
+    if not rec.get("ok"):
+        return ERR
+    return NOTICE if rec.get("performed") else INFO
+
+
+PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
+    "decision": _decision_priority,
+    "action": _action_priority,
+    "pass-error": lambda r: ERR,
+    "state-problem": lambda r: WARNING,
+}
+
+
+def message(rec: Mapping[str, Any]) -> str:
+    kind = str(rec.get("kind", "record"))
+    fmt = MESSAGES.get(kind)
+    if fmt is not None:
+        return fmt(rec)
+    rest = {k: v for k, v in rec.items() if k not in SKIPPED_KEYS}
+    return f"{kind}: {json.dumps(rest, default=str)[:500]}"
+
+
+def _value(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return str(value)
+    if isinstance(value, list | tuple) and all(
+        isinstance(v, str | int | float) and not isinstance(v, bool) for v in value
+    ):
+        return "\n".join(str(v) for v in value) if value else None
+    return json.dumps(value, default=str, sort_keys=True, separators=(",", ":"))
+
+
+def journal_fields(rec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    kind = str(rec.get("kind", "record"))
+    priority = PRIORITIES.get(kind, lambda r: INFO)(rec)
+    fields = [
+        ("MESSAGE", message(rec)),
+        ("MESSAGE_ID", message_id(kind)),
+        ("PRIORITY", str(priority)),
+        ("SYSLOG_IDENTIFIER", IDENTIFIER),
+        ("NODEAGENT_KIND", kind),
+    ]
+    for key, value in rec.items():
+        if key in SKIPPED_KEYS:
+            continue
+        text = _value(value)
+        if text is not None:
+            fields.append((field_name(key), text))
+    return fields
+
+
+def encode(fields: Iterable[tuple[str, str]]) -> bytes:
+    out = bytearray()
+    for name, value in fields:
+        data = value.encode("utf-8", "replace")
+        if b"\n" in data:
+            out += name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += name.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+class JournalExporter:
+    """Sends every record to the journal socket; never raises into the agent loop."""
+
+    name = "journal"
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        # Non-blocking: a slow journald must never stall the loop; a full queue drops
+        # the journal's copy of a record (stderr and the timeline still have it).
+        self._sock = socket.socket(
+            socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+        )
+        self.available: bool | None = None  # None: nothing sent yet
+        self.sent = 0
+        self.dropped = 0
+
+    def on_record(self, rec: Mapping[str, Any]) -> None:
+        fields = journal_fields(rec)
+        data = encode(fields)
+        if len(data) > MAX_ENTRY_BYTES:
+            fields = [f for f in fields if f[0] != "NODEAGENT_EVIDENCE"]
+            data = encode([*fields, ("NODEAGENT_TRUNCATED", "evidence left out: too large")])
+        self._send(data)
+
+    def on_pass(self, result: object, exc: Exception | None) -> None:
+        """Passes carry nothing for the journal beyond their records."""
+
+    def _send(self, data: bytes) -> None:
+        try:
+            try:
+                self._sock.sendto(data, self.socket_path)
+            except OSError as exc:
+                if exc.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
+                    raise
+                self._send_memfd(data)
+        except BlockingIOError:
+            if not self.dropped:
+                log.warning("journal socket %s is full: dropping records there", self.socket_path)
+            self.dropped += 1
+            return
+        except OSError as exc:
+            self._unavailable(exc)
+            return
+        if self.available is False:
+            log.warning(
+                "journal socket %s is back: records go to the journal again", self.socket_path
+            )
+        self.available = True
+        self.sent += 1
+
+    def _send_memfd(self, data: bytes) -> None:
+        fd = os.memfd_create("nodeagent-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            # journald only accepts a sealed memfd: the content can no longer change.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+            self._sock.sendmsg([], rights, 0, self.socket_path)
+        finally:
+            os.close(fd)
+
+    def _unavailable(self, exc: OSError) -> None:
+        if self.available is False:
+            return
+        what = "absent" if exc.errno in ABSENT_ERRNOS else "refusing records"
+        log.warning(
+            "journal socket %s %s (%s): records go to stderr only",
+            self.socket_path,
+            what,
+            exc.strerror or exc,
+        )
+        self.available = False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()

@@ -1,0 +1,187 @@
+"""Records to the host journal (systemd's native protocol) and to stderr.
+
+The end-to-end test runs ``nodeagent run --once`` against a real Debian
+``systemd-journald`` started in a private mount namespace (tests/journald.py)
+and reads the fields back with ``journalctl -o json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeagent.journal import (
+    KNOWN_KINDS,
+    JournalExporter,
+    encode,
+    field_name,
+    journal_fields,
+    message_id,
+)
+from nodeagent.sim.node import READY, Node
+from tests.journald import PrivateJournald, SetupError, private_journald
+from tests.test_integration import build_node
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+
+
+def test_values_with_newlines_use_the_binary_form() -> None:
+    data = encode([("MESSAGE", "one line"), ("NODEAGENT_REASONS", "a\nb")])
+    assert data.startswith(b"MESSAGE=one line\n")
+    rest = data[len(b"MESSAGE=one line\n") :]
+    assert rest.startswith(b"NODEAGENT_REASONS\n")
+    (length,) = struct.unpack("<Q", rest[18:26])
+    assert length == 3 and rest[26:] == b"a\nb\n"
+
+
+def test_fields_come_from_the_record_keys() -> None:
+    rec = {
+        "ts": 1.0,
+        "kind": "action",
+        "guard": "peermem",
+        "module": "nvidia_peermem",
+        "pci": "0000:3b:00.0",
+        "action": "load nvidia_peermem from x.ko",
+        "performed": True,
+        "ok": False,
+        "error": "Invalid argument (EINVAL)",
+        "kernel_messages": ["nvidia_peermem: disagrees about version of symbol x"],
+        "errno": None,
+    }
+    fields = dict(journal_fields(rec))
+    assert fields["MESSAGE_ID"] == message_id("action")
+    assert fields["PRIORITY"] == "3"  # a failed action is an error
+    assert fields["NODEAGENT_GUARD"] == "peermem"
+    assert fields["NODEAGENT_MODULE"] == "nvidia_peermem"
+    assert fields["NODEAGENT_PCI"] == "0000:3b:00.0"
+    assert fields["NODEAGENT_OK"] == "false"
+    assert "NODEAGENT_ERRNO" not in fields and "NODEAGENT_TS" not in fields
+    assert "failed: Invalid argument" in fields["MESSAGE"]
+    assert field_name("woken-by") == "NODEAGENT_WOKEN_BY"
+
+
+def test_message_ids_are_stable_and_documented() -> None:
+    ids = {k: message_id(k) for k in KNOWN_KINDS}
+    assert len(set(ids.values())) == len(ids)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", v) for v in ids.values())
+    assert message_id("decision") == "937e7ed4a84a59ab8b8c207e93f011aa", "ids never change"
+    text = DOCS.read_text()
+    for kind, mid in ids.items():
+        assert re.search(rf"`{re.escape(kind)}`\s*\|\s*`{mid}`", text), f"{kind} not in {DOCS}"
+
+
+def test_no_socket_is_said_once_and_sending_resumes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "socket"
+    exp = JournalExporter(str(path))
+    with caplog.at_level(logging.WARNING, logger="nodeagent.journal"):
+        exp.on_record({"kind": "start"})
+        exp.on_record({"kind": "stop"})
+        assert [r.getMessage() for r in caplog.records if "absent" in r.getMessage()] != []
+        assert len(caplog.records) == 1, "said once"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+            server.bind(str(path))
+            exp.on_record({"kind": "decision", "guard": "peermem", "verdict": "open"})
+            got = server.recv(65536)
+        assert b"NODEAGENT_GUARD=peermem\n" in got
+        assert exp.available and "back" in caplog.records[-1].getMessage()
+    exp.close()
+
+
+def test_a_full_journal_queue_drops_instead_of_blocking(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(str(path))  # never read: its queue fills
+        exp = JournalExporter(str(path))
+        with caplog.at_level(logging.WARNING, logger="nodeagent.journal"):
+            for _ in range(2000):  # a blocking send would hang here
+                exp.on_record({"kind": "decision", "guard": "peermem", "reasons": ["x" * 512]})
+        assert exp.sent > 0 and exp.dropped > 0
+        assert [r.getMessage() for r in caplog.records if "full" in r.getMessage()] != []
+        assert len(caplog.records) == 1, "said once"
+        exp.close()
+
+
+# -- against a real journald --------------------------------------------------
+
+
+@pytest.fixture
+def journald_node() -> Iterator[tuple[PrivateJournald, Node]]:
+    # A short host root: the socket path must fit a unix socket address (108 bytes)
+    # once prefixed with /proc/<pid>/root.
+    with tempfile.TemporaryDirectory(prefix="na-j") as tmp:
+        node = build_node(Path(tmp))
+        try:
+            with private_journald(node.root) as jd:
+                yield jd, node
+        except SetupError as exc:
+            pytest.skip(f"no private journald: {exc}")
+        finally:
+            node.kernel.uevent_source.close()
+
+
+def test_records_reach_a_real_journald_with_their_fields(
+    journald_node: tuple[PrivateJournald, Node], tmp_path: Path
+) -> None:
+    jd, node = journald_node
+    (node.root / READY).write_text("")  # the gate opens: a decision and a (decided) load
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('uevents = false\nmetrics_address = "off"\n')
+    host_root = jd.root / str(node.root).lstrip("/")
+    argv = ["run", "--once", "--host-root", str(host_root), "--config", str(cfg)]
+    p = subprocess.run(
+        [sys.executable, "-m", "nodeagent", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "journal socket" not in p.stderr, "the socket was there: no warning"
+    # stderr has the same records as JSON lines.
+    kinds = [json.loads(line).get("record", {}).get("kind") for line in p.stderr.splitlines()]
+    assert "decision" in kinds and "action" in kinds
+
+    entries = jd.wait_for(3, SYSLOG_IDENTIFIER="nodeagent")  # two guards' decisions, a load
+    by_kind = {(e.get("NODEAGENT_KIND"), e.get("NODEAGENT_GUARD")): e for e in entries}
+    decision, action = by_kind["decision", "peermem"], by_kind["action", "peermem"]
+    assert decision["MESSAGE_ID"] == message_id("decision")
+    assert decision["NODEAGENT_GUARD"] == "peermem"
+    assert decision["NODEAGENT_VERDICT"] == "open"
+    assert decision["PRIORITY"] == "6"
+    assert decision["MESSAGE"] == "peermem: open"
+    assert json.loads(decision["NODEAGENT_EVIDENCE"])["mofed_ready"] is True
+    assert action["MESSAGE_ID"] == message_id("action")
+    assert action["NODEAGENT_MODULE"] == "nvidia_peermem"
+    assert action["NODEAGENT_PERFORMED"] == "false"
+    assert action["_TRANSPORT"] == "journal"
+
+
+def test_a_large_record_goes_through_a_sealed_memfd(
+    journald_node: tuple[PrivateJournald, Node],
+) -> None:
+    jd, node = journald_node
+    exp = JournalExporter(str(jd.root / str(node.root).lstrip("/") / "run/systemd/journal/socket"))
+    big = "x" * (1 << 20)  # past the datagram limit (net.core.wmem_max is ~208 KiB)
+    exp.on_record({"kind": "vf-restore", "guard": "vf", "pci": "0000:3b:00.0", "blob": big})
+    assert exp.available and exp.sent == 1
+    entries = jd.wait_for(1, NODEAGENT_KIND="vf-restore")
+    assert len(entries) == 1
+    e = entries[0]
+    assert e["NODEAGENT_PCI"] == "0000:3b:00.0"
+    assert e["MESSAGE_ID"] == message_id("vf-restore")
+    assert len(e["NODEAGENT_BLOB"]) == 1 << 20
+    exp.close()
