@@ -210,6 +210,8 @@ class Agent:
                         "kind": "decision",
                         "guard": guard,
                         "verdict": verdict.verdict,
+                        "ok": verdict.ok,
+                        "gate": guard in self.reconciler.gates,
                         "reasons": list(verdict.reasons),
                         "events": [e for g, e in rec.events if g == guard],
                         "actions": [a.describe() for a in rec.actions if a.guard == guard],

@@ -115,6 +115,9 @@ def test_missing_host_root_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
         ('[paths]\nmofed_ready = "/etc/passwd"', "must be relative to the host root"),
         ('[paths]\nstate_dir = "run/../../x"', "without '..'"),
         ("frobnicate = 1", "unknown key 'frobnicate'"),
+        ('[storage]\nmodules = ["rpcrdma", "nvme rdma"]', "invalid kernel module name 'nvme rdma'"),
+        ('[storage]\npolicy = "yank"', "storage.policy"),
+        ('[storage]\nhold_file = "../etc/x.conf"', "without '..'"),
         ("resync_seconds = -1", "resync_seconds"),
     ],
 )
@@ -217,3 +220,61 @@ def test_unknown_module_in_config_is_a_closed_reason_naming_it(
     assert rc == 1 and "Traceback" not in out.err
     reasons = json.loads(out.out)["guards"]["peermem"]["reasons"]
     assert "no_such_module is not loaded" in reasons
+
+
+STORAGE_LOCK = "run/mellanox/drivers/.lock"
+
+
+def _mofed_pending_with_rpcrdma(root: Path) -> None:
+    """rpcrdma loaded (no users) and MOFED's lock held, as /proc/locks shows it."""
+    sysmod(root, "rpcrdma", initstate="live", refcnt="0")
+    lock = root / STORAGE_LOCK
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    st = os.stat(lock)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    (root / "proc/locks").write_text(f"1: FLOCK  ADVISORY  WRITE 77 {where} 0 EOF\n")
+
+
+class _RecordingOps(_NoOps):
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    def remove(self, name: str) -> None:
+        self.removed.append(name)
+
+
+def test_a_hold_file_that_is_a_symlink_is_not_written_through(root: Path) -> None:
+    _mofed_pending_with_rpcrdma(root)
+    victim = root / "victim"
+    victim.write_text("precious\n")
+    hold = root / "etc/modprobe.d/nodeagent-storage-hold.conf"
+    hold.parent.mkdir(parents=True)
+    hold.symlink_to(victim)
+    ops = _RecordingOps()
+    agent = Agent(Config(host_root=str(root), mode="enforce", uevents=False), module_ops=ops)
+    result = agent.run_pass(["test"])
+    assert result.verdicts["storage"].verdict == "blocking"
+    assert result.verdicts["storage"].evidence["hold_file"]["problem"].startswith("is a symlink")
+    (failed,) = [o for o in result.outcomes if o.action.guard == "storage"]
+    assert not failed.ok and "symlink" in (failed.error or "")
+    assert victim.read_text() == "precious\n" and hold.is_symlink()
+    assert ops.removed == []  # the sequence stopped at the failed hold: nothing half-done
+
+
+def test_garbage_in_proc_locks_and_mountinfo_is_named_and_skipped(root: Path) -> None:
+    _mofed_pending_with_rpcrdma(root)
+    good = (root / "proc/locks").read_text()
+    (root / "proc/locks").write_text("garbage\n1: FLOCK ADVISORY WRITE x 00:zz:1 0 EOF\n" + good)
+    (root / "proc/1").mkdir(parents=True)
+    (root / "proc/1/mountinfo").write_bytes(
+        b"\xff\xfe not a mount\n36 35 0:50 / /mnt/a\\040b rw - nfs4 srv:/x rw,proto=rdma\n"
+    )
+    snap = observe(root)
+    assert "proc/locks: 2 malformed line(s) ignored" in snap.problems
+    assert "proc/1/mountinfo: 1 malformed line(s) ignored" in snap.problems
+    (mount,) = snap.mounts
+    assert mount.mount_point == "/mnt/a b" and "proto=rdma" in mount.options
+    assert snap.locks[0].pid == 77  # the good line still counts: MOFED is pending
+    d = build_reconciler(Config()).decide(snap, build_reconciler(Config()).initial_memory())
+    assert d.verdicts["storage"].verdict == "blocking"

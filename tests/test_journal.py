@@ -155,12 +155,9 @@ def test_records_reach_a_real_journald_with_their_fields(
     kinds = [json.loads(line).get("record", {}).get("kind") for line in p.stderr.splitlines()]
     assert "decision" in kinds and "action" in kinds
 
-    entries = jd.wait_for(3, SYSLOG_IDENTIFIER="nodeagent")  # a decision per guard, an action
-    by_kind = {e.get("NODEAGENT_KIND"): e for e in entries}
-    decisions = {
-        e.get("NODEAGENT_GUARD"): e for e in entries if e.get("NODEAGENT_KIND") == "decision"
-    }
-    decision, action = decisions["peermem"], by_kind["action"]
+    entries = jd.wait_for(3, SYSLOG_IDENTIFIER="nodeagent")  # the guards' decisions, a load
+    by_kind = {(e.get("NODEAGENT_KIND"), e.get("NODEAGENT_GUARD")): e for e in entries}
+    decision, action = by_kind["decision", "peermem"], by_kind["action", "peermem"]
     assert decision["MESSAGE_ID"] == message_id("decision")
     assert decision["NODEAGENT_GUARD"] == "peermem"
     assert decision["NODEAGENT_VERDICT"] == "open"

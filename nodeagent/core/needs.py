@@ -48,7 +48,7 @@ class Needs:
     watch: frozenset[str] = frozenset()  # further directories to watch (e.g. for a hold file)
     locks: bool = False  # /proc/locks
     mounts: bool = False  # /proc/1/mountinfo
-    nvme: bool = False  # /sys/class/nvme controllers
+    nvme: bool = False  # NVMe controllers (/sys/class/nvme) and NVMe-oF target ports (configfs)
     sriov: bool = False  # SR-IOV PFs and their VFs, through netlink
 
     @staticmethod

@@ -26,6 +26,7 @@ class HostPaths:
     locks: str = "proc/locks"
     mountinfo: str = "proc/1/mountinfo"
     nvme_class: str = "sys/class/nvme"
+    nvmet_ports: str = "sys/kernel/config/nvmet/ports"
     nvidia_version: str = "proc/driver/nvidia/version"  # the loaded driver's banner
     memory_peers: str = "sys/kernel/mm/memory_peers"  # peer-memory clients (MOFED's ib_core)
     journal_socket: str = "run/systemd/journal/socket"

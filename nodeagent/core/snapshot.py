@@ -118,6 +118,16 @@ class NvmeController:
 
 
 @dataclass(frozen=True)
+class NvmetPort:
+    """An NVMe-oF target port under /sys/kernel/config/nvmet/ports (the target side)."""
+
+    name: str  # the port's configfs directory, e.g. "1"
+    transport: str  # addr_trtype: rdma, tcp, loop, fc
+    address: str  # addr_traddr:addr_trsvcid
+    subsystems: tuple[str, ...]  # NQNs linked to the port (enabled while non-empty)
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     now: float  # seconds; wall clock of the observation (guards never read a clock)
     kernel: str
@@ -129,6 +139,7 @@ class NodeSnapshot:
     locks: tuple[FileLock, ...] = ()
     mounts: tuple[Mount, ...] = ()
     nvme: tuple[NvmeController, ...] = ()
+    nvmet_ports: tuple[NvmetPort, ...] = ()
     problems: tuple[str, ...] = ()  # node-wide read problems (e.g. /sys/module unreadable)
     sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (nodeagent.host.sriov)
 

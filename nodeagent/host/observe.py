@@ -36,6 +36,7 @@ from nodeagent.core.snapshot import (
     Mount,
     NodeSnapshot,
     NvmeController,
+    NvmetPort,
     TextFact,
 )
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
@@ -73,6 +74,7 @@ class Readers:
     locks: Reader | None = None
     mounts: Reader | None = None
     nvme: Reader | None = None
+    nvmet_ports: Reader | None = None
     sriov: SriovReader = no_sriov
 
 
@@ -98,6 +100,9 @@ class Observer:
             lambda: read_mountinfo(host, cfg.paths.mountinfo)
         )
         self.read_nvme: Reader = readers.nvme or (lambda: read_nvme(host, cfg.paths.nvme_class))
+        self.read_nvmet_ports: Reader = readers.nvmet_ports or (
+            lambda: read_nvmet_ports(host, cfg.paths.nvmet_ports)
+        )
         self.read_sriov: SriovReader = readers.sriov
         # identity key -> (parse result, the descriptor it was read from)
         self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
@@ -296,6 +301,7 @@ class Observer:
         locks = self._run(self.read_locks, problems) if needs.locks else ()
         mounts = self._run(self.read_mounts, problems) if needs.mounts else ()
         nvme = self._run(self.read_nvme, problems) if needs.nvme else ()
+        ports = self._run(self.read_nvmet_ports, problems) if needs.nvme else ()
         sriov, sriov_problems = self.read_sriov() if needs.sriov else no_sriov()
         problems.extend(sriov_problems)
         return NodeSnapshot(
@@ -317,6 +323,7 @@ class Observer:
             locks=locks,
             mounts=mounts,
             nvme=nvme,
+            nvmet_ports=ports,
             sriov=sriov,
             problems=tuple(problems),
         )
@@ -531,3 +538,28 @@ def read_nvme(host: HostRoot, rel: str) -> tuple[tuple[NvmeController, ...], lis
             )
         )
     return tuple(out), []
+
+
+def read_nvmet_ports(host: HostRoot, rel: str) -> tuple[tuple[NvmetPort, ...], list[str]]:
+    """NVMe-oF target ports in configfs: transport, address and linked subsystems."""
+    out: list[NvmetPort] = []
+    problems: list[str] = []
+    for name in host.listdir(rel):
+        if not name.isdigit():
+            continue
+        values: dict[str, str] = {}
+        for attr in ("addr_trtype", "addr_traddr", "addr_trsvcid"):
+            try:
+                values[attr] = host.read_text(f"{rel}/{name}/{attr}", 4096).strip()
+            except OSError as exc:
+                values[attr] = ""
+                problems.append(f"{rel}/{name}/{attr} unreadable: {exc.strerror}")
+        out.append(
+            NvmetPort(
+                name=name,
+                transport=values["addr_trtype"] or "unknown",
+                address=f"{values['addr_traddr']}:{values['addr_trsvcid']}",
+                subsystems=tuple(host.listdir(f"{rel}/{name}/subsystems")),
+            )
+        )
+    return tuple(out), problems

@@ -34,16 +34,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodeagent.core.storage import STORAGE_MODULES as STORAGE_NAMES
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.sim.clock import Actor
 from nodeagent.sim.modtree import (
     GPU_MODULES,
     PEER_MEMORY_API,
     RDMA_MODULES,
+    STORAGE_MODULES,
     Generation,
     srcversion_of,
 )
-from nodeagent.sim.node import BLACKLIST, CTR_READY, READY, Node
+from nodeagent.sim.node import BLACKLIST, CTR_READY, LOCK, READY, Node
 
 __all__ = [
     "STORAGE_MODULE_NAMES",
@@ -63,16 +65,7 @@ __all__ = [
 
 INF = float("inf")
 PEERMEM = "nvidia_peermem"
-STORAGE_MODULE_NAMES = [
-    "ib_iser",
-    "ib_isert",
-    "ib_srp",
-    "ib_srpt",
-    "nvme_rdma",
-    "nvmet_rdma",
-    "rpcrdma",
-    "xprtrdma",
-]
+STORAGE_MODULE_NAMES = list(STORAGE_NAMES)  # what MOFED refuses on (the agent's default)
 STORAGE_MESSAGE = (
     "Storage modules are loaded for current driver, terminating prior driver reload "
     'failure due to UNLOAD_STORAGE_MODULES not set to "true"'
@@ -248,6 +241,8 @@ class MofedSpec:
     gen: Generation
     version: str  # e.g. "25.07-0.9.7.0"
     unload_storage: bool = False  # UNLOAD_STORAGE_MODULES
+    nfsrdma: bool = False  # ENABLE_NFSRDMA: MOFED builds its own storage modules too
+    prestart_s: float = 0.0  # start -> the storage-module check (preStart: CA certificates ...)
     dtk_start_s: float = 7.0
     compile_start_s: float = 10.0
     compile_s: float = 140.0
@@ -273,12 +268,18 @@ def _installed_matches(node: Node, gen: Generation) -> bool:
     return True
 
 
+MOFED_PID = 4242  # the entrypoint's pid, as proc/locks shows it
+
+
 def _mofed_body(node: Node, spec: MofedSpec, c: Container) -> None:
     k = node.kernel
     say = c.say
+    node.flock(LOCK, MOFED_PID, held=True)  # the entrypoint's flock on .lock, held to exit
     try:
         say("Unsetting driver ready state")
         node.remove(READY)
+        if spec.prestart_s:
+            node.sleep(spec.prestart_s)
         storage = [m for m in STORAGE_MODULE_NAMES if k.module(m) is not None]
         if storage:
             if not spec.unload_storage:
@@ -311,6 +312,8 @@ def _mofed_body(node: Node, spec: MofedSpec, c: Container) -> None:
             node.sleep(spec.install_wait_s)
         say(f"Installing MOFED {spec.version} packages")
         node.install(spec.gen, RDMA_MODULES, "mofed")
+        if spec.nfsrdma:
+            node.install(spec.gen, STORAGE_MODULES, "mofed")
         node.sleep(spec.install_s)
         if _installed_matches(node, spec.gen):
             say("Driver already loaded (srcversion match): skipping reload")
@@ -328,6 +331,7 @@ def _mofed_body(node: Node, spec: MofedSpec, c: Container) -> None:
         node.dtk_busy = False
         if node.exists(BLACKLIST):  # the EXIT trap
             node.remove(BLACKLIST)
+        node.flock(LOCK, MOFED_PID, held=False)
 
 
 def _openibd_restart(node: Node, spec: MofedSpec, c: Container) -> None:
@@ -422,9 +426,30 @@ class GpuSpec:
     build_s: float = 140.0  # first start: compile in the driver toolkit
     install_s: float = 45.0  # nvidia-installer (rebuilds nvidia-peermem.ko on every start)
     modprobe_gap_s: float = 2.0
+    # KERNEL_MODULE_TYPE: "auto" picks the open modules from branch 560 on (580 here).
+    kernel_module_type: str = "open"
+    driver_version: str = "580.95.05"
+
+
+NVIDIA_VERSION_FILE = "proc/driver/nvidia/version"
+
+
+def nvidia_banner(spec: GpuSpec, arch: str) -> str:
+    """The first lines of /proc/driver/nvidia/version, as each kind of module prints them."""
+    kind = (
+        f"Open Kernel Module for {arch}"
+        if spec.kernel_module_type == "open"
+        else (f"{arch} Kernel Module")
+    )
+    return (
+        f"NVRM version: NVIDIA UNIX {kind}  {spec.driver_version}  Release Build  (sim)\n"
+        "GCC version:  gcc version 11.4.1 (GCC)\n"
+    )
 
 
 def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-ctr") -> Container:
+    # What the nvidia module it builds shows while loaded.
+    node.kernel.proc_files["nvidia"] = (NVIDIA_VERSION_FILE, nvidia_banner(spec, node.arch))
     return Container(
         node,
         name,
@@ -571,21 +596,40 @@ def host_modprobe(node: Node, modules: tuple[str, ...], why: str) -> None:
 
 
 def nfs_mount(node: Node, retry_s: float = 30.0) -> Callable[[], None]:
-    """An NFS-over-RDMA mount: loads rpcrdma (and sunrpc, the RDMA chain) and holds them."""
+    """A shared volume mounted over NFS-over-RDMA, retried as the kubelet retries it.
+
+    ``mount -t nfs -o proto=rdma`` makes the kernel load the RDMA transport
+    (``rpcrdma`` and its chain) before it connects. On this node the server is
+    reached over the fabric, which is up only once MOFED's stack is ready: until
+    then the connection fails, the mount is retried, and ``rpcrdma`` stays
+    loaded with no user. Once mounted, the mount holds ``rpcrdma`` and ``sunrpc``.
+    """
 
     def body() -> None:
         k = node.kernel
+        said = ""
         while True:
             try:
                 loaded = k.modprobe("rpcrdma", node.host_moddir, install_rules=True)
+                extra = f" (loaded {' '.join(loaded)})" if loaded else ""
+                why = "" if node.exists(READY) else f"RDMA connection to the server failed{extra}"
             except ModuleOpError as exc:
-                node.emit("kernel", f"mount -t nfs -o proto=rdma: {tool_error(exc)}; retrying")
-                node.sleep(retry_s)
-                continue
-            for m in ("rpcrdma", "sunrpc"):
-                k.get_module(m)
-            extra = f" (loaded {' '.join(loaded)})" if loaded else ""
-            node.emit("kernel", f"NFS-over-RDMA share mounted{extra}; rpcrdma in use")
-            return
+                why = tool_error(exc)
+            if not why:
+                break
+            if why != said:  # the kubelet retries quietly; a new reason is worth a line
+                node.emit("kernel", f"mount -t nfs -o proto=rdma: {why}; retrying")
+                said = why
+            node.sleep(retry_s)
+        for m in ("rpcrdma", "sunrpc"):
+            k.get_module(m)
+        node.mount(NFS_MOUNTINFO)
+        node.emit("kernel", "NFS-over-RDMA share mounted on /mnt/shared; rpcrdma in use")
 
     return body
+
+
+NFS_MOUNTINFO = (
+    "812 29 0:61 / /mnt/shared rw,relatime shared:402 - nfs4 10.24.0.5:/shared "
+    "rw,vers=4.1,rsize=1048576,wsize=1048576,proto=rdma,port=20049,addr=10.24.0.5"
+)

@@ -28,11 +28,14 @@ from nodeagent.sim.modtree import (
     write_symvers,
 )
 
-__all__ = ["COLUMNS", "Node", "SimEvent"]
+__all__ = ["COLUMNS", "LOCK", "Node", "SimEvent"]
 
 COLUMNS = ("MOFED", "GPU driver", "agent", "kernel")
 
 READY = "run/mellanox/drivers/.driver-ready"
+LOCK = "run/mellanox/drivers/.lock"
+LOCKS = "proc/locks"
+MOUNTINFO = "proc/1/mountinfo"
 BLACKLIST = "etc/modprobe.d/blacklist-ofed-modules.conf"
 GATE = "run/nodeagent/peermem.gate"  # what the agent publishes; no operator container reads it
 CTR_READY = "run/nvidia/validations/.driver-ctr-ready"
@@ -82,7 +85,13 @@ class Node:
         self.dtk_busy = False  # the shared driver toolkit is compiling MOFED
         self.generation_of: dict[str, str] = {}  # build-id hex -> generation label
         self.headers_version: str | None = None  # the MOFED whose headers are in place
-        for d in ("run/mellanox/drivers", "run/nvidia/validations", "run/nodeagent", "etc"):
+        for d in (
+            "run/mellanox/drivers",
+            "run/nvidia/validations",
+            "run/nodeagent",
+            "etc",
+            "proc/1",
+        ):
             (self.root / d).mkdir(parents=True, exist_ok=True)
 
     # -- where things are -------------------------------------------------------
@@ -144,6 +153,32 @@ class Node:
 
     def world_version(self) -> int:
         return self.version + self.kernel.version
+
+    def flock(self, rel: str, pid: int, held: bool) -> None:
+        """A FLOCK on ``rel`` by ``pid`` enters (or leaves) proc/locks, as the kernel shows it."""
+        path = self.root / rel
+        if held and not path.exists():
+            self.write(rel)
+        st = os.stat(path)
+        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        line = f"FLOCK  ADVISORY  WRITE {pid} {where} 0 EOF"
+        locks = self.root / LOCKS
+        current = [
+            entry.split(": ", 1)[1]
+            for entry in (locks.read_text().splitlines() if locks.exists() else [])
+            if ": " in entry
+        ]
+        current = [c for c in current if c != line] + ([line] if held else [])
+        locks.write_text("".join(f"{i}: {c}\n" for i, c in enumerate(current, 1)))
+        self.version += 1
+
+    def mount(self, line: str) -> None:
+        """Add a line to the host's mountinfo (proc/1/mountinfo)."""
+        mi = self.root / MOUNTINFO
+        mi.parent.mkdir(parents=True, exist_ok=True)
+        with open(mi, "a") as fh:
+            fh.write(line + "\n")
+        self.version += 1
 
     def write_blacklist(self) -> None:
         self.write(BLACKLIST, "".join(f"blacklist {m}\n" for m in BLACKLISTED))

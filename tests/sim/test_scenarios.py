@@ -94,17 +94,36 @@ def test_mofed_upgrade_agent_unloads_peermem_when_the_restart_begins() -> None:
         assert r.verdict.peermem_loaded and r.verdict.mofed_installed
 
 
-def test_storage_race_fails_in_both_runs_while_the_storage_guard_is_not_built() -> None:
-    for agent in (False, True):
-        r = run("storage-module-race", agent)
-        mofed = texts(r, "MOFED")
-        assert any(t.startswith("Storage modules are loaded for current driver") for t in mofed)
-        assert r.verdict.mofed_restarts >= 3
-    with_agent = run("storage-module-race", True)
-    if "storage" in agent_guards():
-        pytest.skip("the storage guard exists now: this scenario is its test")
-    assert with_agent.verdict.missing_guards == ("storage",)
-    assert not with_agent.verdict.mofed_installed and with_agent.verdict.healthy_at is None
+def test_storage_race_fails_without_the_agent() -> None:
+    r = run("storage-module-race", False)
+    mofed = texts(r, "MOFED")
+    assert any(t.startswith("Storage modules are loaded for current driver") for t in mofed)
+    assert r.verdict.mofed_restarts >= 3 and not r.verdict.mofed_installed
+    assert r.verdict.healthy_at is None
+    assert not any(t.startswith("NFS-over-RDMA share mounted") for t in texts(r, "kernel"))
+
+
+def test_storage_race_with_the_agent_installs_mofed_reloads_rpcrdma_and_mounts() -> None:
+    r = run("storage-module-race", True)
+    v = r.verdict
+    assert v.missing_guards == ()
+    assert v.mofed_installed and v.mofed_restarts == 0 and v.healthy_at is not None
+    mofed, agent, kernel = texts(r, "MOFED"), texts(r, "agent"), texts(r, "kernel")
+    assert not any(t.startswith("Storage modules are loaded") for t in mofed)
+    blocking = next(t for t in agent if t.startswith("storage: blocking: "))
+    assert "rpcrdma" in blocking and "MOFED holds its lock" in blocking
+    hold = agent.index("write etc/modprobe.d/nodeagent-storage-hold.conf: ok")
+    unloads = [t for t in agent if t.startswith("unload ")]
+    assert unloads[0] == "unload rpcrdma: ok" and agent.index(unloads[0]) > hold
+    assert "unload ib_core: ok" not in unloads  # mlx5_ib still holds it
+    # A mount retried meanwhile fails fast on the hold file ...
+    assert any("install command '/bin/false'" in t for t in kernel)
+    # ... and after MOFED's ready flag: the hold goes, rpcrdma comes back from MOFED's tree.
+    ready = next(e.t for e in r.events if "setting driver ready state" in e.text)
+    removed = next(e for e in r.events if e.text.startswith("remove etc/modprobe.d/"))
+    loaded = next(e for e in r.events if e.text.startswith("load rpcrdma from "))
+    assert ready <= removed.t <= loaded.t and loaded.text.endswith(": ok")
+    assert "NFS-over-RDMA share mounted on /mnt/shared; rpcrdma in use" in kernel
 
 
 def test_vf_scenarios_replay_mofeds_restore_failures() -> None:
@@ -180,3 +199,17 @@ def test_a_failing_agent_pass_fails_the_simulation(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(Observer, "observe", broken)
     with pytest.raises(SimError, match="observer broke"):
         run_scenario(SCENARIOS["kernel-upgrade-race"], agent=True)
+
+
+def test_the_seed_node_shows_open_modules_and_the_agent_reports_dma_buf() -> None:
+    # 580 with KERNEL_MODULE_TYPE=auto builds the open modules; el9's 5.14 is >= 5.12.
+    r = run("kernel-upgrade-race", agent=True)
+    peermem = [
+        x for x in r.agent_records if x.get("kind") == "decision" and x["guard"] == "peermem"
+    ]
+    gpudirect = peermem[-1]["evidence"]["gpudirect"]
+    assert gpudirect["modules"] == "open" and gpudirect["dmabuf_capable"] is True
+    assert gpudirect["summary"] == "DMA-BUF capable; peermem not required"
+    closed = [x for x in peermem if x["reasons"]]
+    assert any(x["reasons"][-1].startswith("GPUDirect RDMA: DMA-BUF capable") for x in closed)
+    assert r.verdict.peermem_loaded  # reported, never acted on: peermem stays loaded

@@ -1,0 +1,417 @@
+"""StorageGuard: keep the RDMA storage modules out of MOFED's way while it installs.
+
+Seed 004: an NFS-over-RDMA mount loads ``rpcrdma`` and its RDMA chain before
+the MOFED pod starts; MOFED then refuses ("Storage modules are loaded for
+current driver ...") and crash-loops, and the node loses every GPU. This
+guard acts per node, in order, only when safe, and puts things back:
+
+- **MOFED pending** (core/mofed.py): the ready flag is absent and MOFED holds
+  its ``.lock`` (a FLOCK in /proc/locks; never taken by the agent) or the
+  agent saw the flag removed (or a configured marker says so).
+- **Verdicts**: ``clear`` (nothing loaded, or MOFED not pending), ``blocking``
+  (storage modules loaded while MOFED is pending: MOFED will refuse),
+  ``in-use`` (loaded, and used by something that is not a module: an RDMA
+  mount, an NVMe-oF controller ...), ``holding`` (the agent removed them and
+  holds them out until MOFED is ready).
+- **Actions** (policy ``unload`` | ``hold`` | ``off``): remove the loaded storage
+  modules and what of their chain nothing else needs, holders first, in the
+  order the holders graph gives (sequence: stop at the first failure); with
+  ``hold``, first write a modprobe.d file of ``install <m> /bin/false`` lines,
+  removed as soon as MOFED is ready (and on agent stop); then load back what
+  was removed, from MOFED's tree. Never a module with non-module users; never
+  ``nvme``, ``nvme_core`` or ``nvme_fabrics`` (an NVMe-rooted node boots from them).
+
+Only the chain's own top modules' users count: the lower modules it pulls in
+(crypto modules under nvme/target, seen on a real 6.1 kernel) can have
+references without holders, and must not block it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from nodeagent.core import policy as cfgval
+from nodeagent.core.actions import (
+    Action,
+    ActionOutcome,
+    LoadModule,
+    RemoveFile,
+    UnloadModule,
+    WriteFile,
+)
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
+from nodeagent.core.identity import module_evidence
+from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_order
+from nodeagent.core.mofed import pending_signals
+from nodeagent.core.needs import HOST_TREE, Needs
+from nodeagent.core.paths import HostPaths
+from nodeagent.core.snapshot import LoadedModule, NodeSnapshot
+from nodeagent.errors import NodeagentError
+
+STORAGE_MODULES: tuple[str, ...] = (
+    "ib_iser",
+    "ib_isert",
+    "ib_srp",
+    "ib_srpt",
+    "nvme_rdma",
+    "nvmet_rdma",
+    "rpcrdma",
+    "xprtrdma",
+)
+ALIASES = {"xprtrdma": "rpcrdma"}  # the module is rpcrdma; xprtrdma is its alias
+# What an NVMe-rooted node boots from: never removed (doca-driver-build 479/480).
+NEVER_REMOVE = frozenset({"nvme", "nvme_core", "nvme_fabrics"})
+HOLD_FILE = "etc/modprobe.d/nodeagent-storage-hold.conf"
+
+StoragePolicyName = Literal["unload", "hold", "off"]
+POLICIES: tuple[StoragePolicyName, ...] = ("unload", "hold", "off")
+
+
+@dataclass(frozen=True)
+class StoragePolicy:
+    policy: StoragePolicyName = "hold"
+    modules: tuple[str, ...] = STORAGE_MODULES
+    reload: bool = True
+    hold_file: str = HOLD_FILE
+    # More files whose presence means "MOFED is about to install" (e.g. an init marker).
+    pending_markers: tuple[str, ...] = ()
+    retry_base_s: float = 5.0
+    retry_max_s: float = 300.0
+
+    @property
+    def roots(self) -> tuple[str, ...]:
+        """The module names to look for (aliases resolved), in config order, once each."""
+        return tuple(dict.fromkeys(ALIASES.get(m, m) for m in self.modules))
+
+
+def parse_policy(table: Mapping[str, Any], pol: StoragePolicy) -> StoragePolicy:
+    """``[storage]`` of the config file over ``pol``; NodeagentError naming a bad value."""
+    cfgval.reject_unknown(
+        "storage",
+        table,
+        {
+            "policy",
+            "modules",
+            "reload",
+            "hold_file",
+            "pending_markers",
+            "retry_base_seconds",
+            "retry_max_seconds",
+        },
+    )
+    if "policy" in table:
+        name = cfgval.choice("storage.policy", table["policy"], POLICIES)
+        pol = replace(
+            pol, policy="unload" if name == "unload" else "off" if name == "off" else "hold"
+        )
+    if "modules" in table:
+        pol = replace(pol, modules=cfgval.module_list("storage.modules", table["modules"]))
+    if "reload" in table:
+        pol = replace(pol, reload=cfgval.boolean("storage.reload", table["reload"]))
+    if "hold_file" in table:
+        pol = replace(pol, hold_file=cfgval.check_relpath("storage.hold_file", table["hold_file"]))
+    if "pending_markers" in table:
+        markers = table["pending_markers"]
+        if not isinstance(markers, list):
+            raise NodeagentError("config storage.pending_markers: expected a list of paths")
+        pol = replace(
+            pol,
+            pending_markers=tuple(
+                cfgval.check_relpath("storage.pending_markers", m) for m in markers
+            ),
+        )
+    if "retry_base_seconds" in table:
+        base = cfgval.number("storage.retry_base_seconds", table["retry_base_seconds"], 0.01, 3600)
+        pol = replace(pol, retry_base_s=base)
+    if "retry_max_seconds" in table:
+        cap = cfgval.number("storage.retry_max_seconds", table["retry_max_seconds"], 0.01, 86400)
+        pol = replace(pol, retry_max_s=cap)
+    return pol
+
+
+@dataclass(frozen=True)
+class StorageMemory:
+    flag_seen: bool = False  # the ready flag was present on the last pass
+    flag_removed: bool = False  # ... and then went: MOFED is restarting
+    removed: tuple[str, ...] = ()  # storage modules the agent removed, to load back
+    holding: bool = False  # the agent wrote the hold file (and has not removed it)
+    failures: int = 0
+    retry_at: float | None = None
+    last_error: str | None = None
+
+
+def hold_file_text(modules: tuple[str, ...]) -> str:
+    """``install <m> /bin/false`` for each module (once), under a header saying who and why."""
+    lines = [
+        "# Written by nodeagent (storage guard): MOFED is installing its RDMA stack and",
+        "# refuses to start while these storage modules are loaded (UNLOAD_STORAGE_MODULES).",
+        "# Removed as soon as MOFED is ready; an RDMA mount meanwhile fails fast and is retried.",
+    ]
+    lines += [f"install {m} /bin/false" for m in dict.fromkeys(modules)]
+    return "\n".join(lines) + "\n"
+
+
+class StorageGuard:
+    name = "storage"
+    gate = False
+
+    def __init__(self, policy: StoragePolicy | None = None, paths: HostPaths | None = None) -> None:
+        self.policy = policy or StoragePolicy()
+        self.paths = paths or HostPaths()
+        self.mofed = self.paths.mofed
+
+    def needs(self) -> Needs:
+        return Needs(
+            chains=frozenset(self.policy.roots),
+            chain_trees=(HOST_TREE, self.paths.mofed_driver_root),
+            files=self.mofed.files | {self.policy.hold_file, *self.policy.pending_markers},
+            locks=True,
+            mounts=True,
+            nvme=True,
+        )
+
+    # -- memory -------------------------------------------------------------
+
+    def initial_memory(self) -> StorageMemory:
+        return StorageMemory()
+
+    def memory_to_json(self, memory: StorageMemory) -> dict[str, Any]:
+        return {
+            "flag_seen": memory.flag_seen,
+            "flag_removed": memory.flag_removed,
+            "removed": list(memory.removed),
+            "holding": memory.holding,
+            "failures": memory.failures,
+            "retry_at": memory.retry_at,
+            "last_error": memory.last_error,
+        }
+
+    def memory_from_json(self, data: Mapping[str, Any]) -> StorageMemory:
+        try:
+            removed = data.get("removed", [])
+            if not isinstance(removed, list) or not all(isinstance(m, str) for m in removed):
+                raise ValueError("removed is not a list of module names")
+            for key in ("flag_seen", "flag_removed", "holding"):
+                if not isinstance(data.get(key, False), bool):
+                    raise ValueError(f"{key} is not a boolean")
+            last_error = data.get("last_error")
+            if last_error is not None and not isinstance(last_error, str):
+                raise ValueError("last_error is not a string")
+            retry_at = data.get("retry_at")
+            return StorageMemory(
+                flag_seen=data.get("flag_seen", False),
+                flag_removed=data.get("flag_removed", False),
+                removed=tuple(removed),
+                holding=data.get("holding", False),
+                failures=int(data.get("failures", 0)),
+                retry_at=None if retry_at is None else float(retry_at),
+                last_error=last_error,
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"storage memory is malformed: {exc}") from None
+
+    # -- the decision ---------------------------------------------------------
+
+    def decide(self, snap: NodeSnapshot, memory: StorageMemory) -> GuardDecision[StorageMemory]:
+        pol = self.policy
+        ready = snap.file(self.mofed.ready).present
+        flag_removed = not ready and (memory.flag_removed or memory.flag_seen)
+        memory = replace(memory, flag_seen=ready, flag_removed=flag_removed)
+        pending = list(pending_signals(snap, self.mofed, flag_removed))
+        pending += [f"{m} exists" for m in pol.pending_markers if snap.file(m).present]
+        hold = snap.file(pol.hold_file)
+        loaded = [m for m in pol.roots if m in snap.modules]
+        evidence: dict[str, Any] = {
+            "policy": pol.policy,
+            "mofed_pending": pending,
+            "mofed_ready": ready,
+            "loaded": {m: module_evidence(snap.modules[m]) for m in loaded},
+            "hold_file": {"path": hold.path, "present": hold.present},
+            "removed_by_agent": list(memory.removed),
+        }
+        if hold.problem and hold.problem != "not observed":
+            evidence["hold_file"]["problem"] = hold.problem
+        if memory.last_error:
+            evidence["last_error"] = memory.last_error
+
+        reasons: list[str] = []
+        actions: list[Action] = []
+        wake_at: float | None = None
+        if pending and loaded:
+            tops = holders_closure(snap.modules, loaded)
+            users = self._users(snap, sorted(tops))
+            evidence["users"] = users
+            if users:
+                verdict = "in-use"
+                reasons += [f"{m} is in use: {'; '.join(u)}" for m, u in users.items()]
+                reasons.append(
+                    "MOFED (" + "; ".join(pending) + ") will refuse to install while "
+                    f"{', '.join(loaded)} {'is' if len(loaded) == 1 else 'are'} loaded; "
+                    "the agent does not remove modules with users"
+                )
+            else:
+                verdict = "blocking"
+                reasons.append(
+                    f"storage modules {', '.join(loaded)} are loaded while MOFED is pending ("
+                    + "; ".join(pending)
+                    + "): MOFED will refuse to install"
+                )
+                try:
+                    order = removal_order(snap.modules, self._removal_set(snap, tops))
+                except RemovalBlocked as exc:
+                    reasons.append(f"cannot order the removal: {exc}")
+                    order = []
+                evidence["removal_order"] = order
+                if order and pol.policy != "off":
+                    if memory.retry_at is not None and snap.now < memory.retry_at:
+                        wake_at = memory.retry_at
+                    else:
+                        if pol.policy == "hold":
+                            actions.append(
+                                WriteFile(
+                                    self.name,
+                                    pol.hold_file,
+                                    hold_file_text((*pol.modules, *order)),
+                                    "hold the storage modules out while MOFED installs",
+                                )
+                            )
+                        why = "MOFED is pending and refuses to install over storage modules"
+                        actions += [UnloadModule(self.name, m, why) for m in order]
+        elif hold.present and (pending or (memory.removed and not ready)):
+            # Until MOFED is ready: a crash-looping MOFED is not pending between its tries.
+            verdict = "holding"
+        else:
+            verdict = "clear"
+            if hold.present and pol.policy != "off":
+                actions.append(
+                    RemoveFile(
+                        self.name,
+                        pol.hold_file,
+                        "MOFED is ready" if ready else "MOFED is not pending (stale hold file)",
+                    )
+                )
+            if ready and memory.removed and pol.reload and pol.policy != "off":
+                if memory.retry_at is not None and snap.now < memory.retry_at:
+                    wake_at = memory.retry_at
+                else:
+                    actions += [
+                        LoadModule(
+                            self.name,
+                            m,
+                            (self.paths.mofed_driver_root, HOST_TREE),
+                            "MOFED is ready: loading back what the agent removed",
+                        )
+                        for m in memory.removed
+                        if m not in snap.modules
+                    ]
+        ok = verdict in ("clear", "holding")
+        return GuardDecision(
+            verdict=Verdict(self.name, verdict, ok, tuple(reasons), evidence),
+            actions=tuple(actions),
+            memory=memory,
+            wake_at=wake_at,
+            strategy="sequence",
+        )
+
+    def _removal_set(self, snap: NodeSnapshot, tops: set[str]) -> set[str]:
+        """The top modules and every loaded module only they hold (transitively),
+        except what an NVMe-rooted node boots from and modules used from elsewhere."""
+        out = set(tops) - NEVER_REMOVE
+        grew = True
+        while grew:
+            grew = False
+            for name, mod in snap.modules.items():
+                if name in out or name in NEVER_REMOVE or not mod.holders:
+                    continue
+                if all(h in out for h in mod.holders) and mod.outside_refs == 0:
+                    out.add(name)
+                    grew = True
+        return out
+
+    def _users(self, snap: NodeSnapshot, tops: list[str]) -> dict[str, list[str]]:
+        """Non-module users of the chain's top modules, named where the node says who."""
+        users: dict[str, list[str]] = {}
+        for name in tops:
+            mod: LoadedModule = snap.modules[name]
+            if mod.outside_refs == 0:
+                continue
+            named = list(_NAMERS.get(name, _nobody)(snap))
+            refs = f"refcnt {mod.refcnt}, module holders: {', '.join(mod.holders) or 'none'}"
+            users[name] = named or [f"{refs}; used by something that is not a module"]
+        return users
+
+    def absorb(self, memory: StorageMemory, outcome: ActionOutcome, now: float) -> StorageMemory:
+        if not outcome.performed:
+            return memory
+        action = outcome.action
+        if outcome.ok:
+            done = _DONE.get(type(action))
+            if done is not None:
+                memory = done(memory, action, self.policy)
+            return replace(memory, failures=0, retry_at=None, last_error=None)
+        failures = memory.failures + 1
+        delay = backoff_delay(failures, self.policy.retry_base_s, self.policy.retry_max_s)
+        return replace(
+            memory,
+            failures=failures,
+            retry_at=now + delay,
+            last_error=outcome.error or f"{action.describe()} failed",
+        )
+
+    def on_stop(self, memory: StorageMemory) -> tuple[Action, ...]:
+        if not memory.holding:
+            return ()
+        return (RemoveFile(self.name, self.policy.hold_file, "the agent is stopping"),)
+
+
+def _rdma_mounts(snap: NodeSnapshot) -> list[str]:
+    return [
+        f"NFS-over-RDMA mount {m.mount_point} ({m.source})"
+        for m in snap.mounts
+        if "proto=rdma" in m.options
+    ]
+
+
+def _rdma_controllers(snap: NodeSnapshot) -> list[str]:
+    return [
+        f"NVMe-oF controller {c.name} (subsystem {c.subsysnqn or 'unknown'})"
+        for c in snap.nvme
+        if c.transport == "rdma"
+    ]
+
+
+def _rdma_ports(snap: NodeSnapshot) -> list[str]:
+    return [
+        f"NVMe-oF target port {p.name} (rdma {p.address}, subsystem {', '.join(p.subsystems)})"
+        for p in snap.nvmet_ports
+        if p.transport == "rdma" and p.subsystems
+    ]
+
+
+def _nobody(snap: NodeSnapshot) -> list[str]:
+    return []
+
+
+# Who uses which top module, as far as the node says (others: refcnt only).
+_NAMERS = {"rpcrdma": _rdma_mounts, "nvme_rdma": _rdma_controllers, "nvmet_rdma": _rdma_ports}
+
+
+def _unloaded(memory: StorageMemory, action: Any, pol: StoragePolicy) -> StorageMemory:
+    if action.module in pol.roots and action.module not in memory.removed:
+        return replace(memory, removed=(*memory.removed, action.module))
+    return memory
+
+
+def _loaded(memory: StorageMemory, action: Any, pol: StoragePolicy) -> StorageMemory:
+    return replace(memory, removed=tuple(m for m in memory.removed if m != action.module))
+
+
+# What a successful action changes in the guard's memory, by action type.
+_DONE = {
+    UnloadModule: _unloaded,
+    LoadModule: _loaded,
+    WriteFile: lambda memory, action, pol: replace(memory, holding=True),
+    RemoveFile: lambda memory, action, pol: replace(memory, holding=False),
+}

@@ -1,0 +1,267 @@
+"""The storage guard as a pure function: node states in, verdict/reasons/plan out (seed 004)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import MappingProxyType
+
+import pytest
+
+from nodeagent.core.actions import ActionOutcome, LoadModule, RemoveFile, UnloadModule, WriteFile
+from nodeagent.core.snapshot import (
+    FileFact,
+    FileId,
+    FileLock,
+    LoadedModule,
+    Mount,
+    NodeSnapshot,
+    NvmeController,
+)
+from nodeagent.core.storage import HOLD_FILE, StorageGuard, StoragePolicy
+
+READY = "run/mellanox/drivers/.driver-ready"
+LOCK = "run/mellanox/drivers/.lock"
+LOCK_DEV, LOCK_INO = (0, 25), 4711
+GUARD = StorageGuard()
+
+
+def mod(name: str, *holders: str, refcnt: int | None = None) -> LoadedModule:
+    return LoadedModule(
+        name=name,
+        initstate="live",
+        refcnt=len(holders) if refcnt is None else refcnt,
+        srcversion=None,
+        build_id=None,
+        holders=tuple(holders),
+    )
+
+
+def node(
+    *mods: LoadedModule,
+    now: float = 0.0,
+    ready: bool = False,
+    locked: bool = False,
+    hold: bool = False,
+    mounts: tuple[Mount, ...] = (),
+    nvme: tuple[NvmeController, ...] = (),
+) -> NodeSnapshot:
+    files = {
+        READY: FileFact(READY, ready, FileId(9, 1, 1) if ready else None),
+        LOCK: FileFact(LOCK, True, FileId(LOCK_INO, 1, 1), device=LOCK_DEV),
+        HOLD_FILE: FileFact(HOLD_FILE, hold, FileId(5, 1, 1) if hold else None),
+    }
+    locks = (FileLock("FLOCK", "WRITE", 4242, LOCK_DEV, LOCK_INO),) if locked else ()
+    return NodeSnapshot(
+        now=now,
+        kernel="5.15.0-170-generic",
+        modules=MappingProxyType({m.name: m for m in mods}),
+        disk=MappingProxyType({}),
+        files=MappingProxyType(files),
+        locks=locks,
+        mounts=mounts,
+        nvme=nvme,
+    )
+
+
+# Seed 004's node: in-tree mlx5 (20 s), sunrpc (30 s), rpcrdma and its chain (1107 s).
+INBOX = (
+    mod("mlx5_core", "mlx5_ib"),
+    mod("mlx5_ib"),
+    mod("ib_uverbs", "mlx5_ib"),
+)
+CHAIN = (
+    mod("ib_core", "mlx5_ib", "ib_uverbs", "rdma_cm", "ib_cm", "iw_cm", "rpcrdma"),
+    mod("rdma_cm", "rpcrdma"),
+    mod("ib_cm", "rdma_cm"),
+    mod("iw_cm", "rdma_cm"),
+    mod("sunrpc", "rpcrdma"),
+    mod("rpcrdma"),
+)
+
+
+def seed_004(t: float) -> NodeSnapshot:
+    mods: tuple[LoadedModule, ...] = ()
+    if t >= 20:
+        mods += (*INBOX, mod("ib_core", "mlx5_ib", "ib_uverbs"))
+    if t >= 30:
+        mods += (mod("sunrpc"),)
+    if t >= 1107:
+        mods = (*INBOX, *CHAIN)
+    return node(*mods, now=t, locked=t >= 1200)
+
+
+def run(snaps: list[NodeSnapshot], guard: StorageGuard = GUARD, performed: bool = True):
+    mem = guard.initial_memory()
+    out = []
+    for snap in snaps:
+        d = guard.decide(snap, mem)
+        mem = d.memory
+        for a in d.actions:
+            mem = guard.absorb(mem, ActionOutcome(a, ok=True, performed=performed), snap.now)
+        out.append(d)
+    return out, mem
+
+
+def test_seed_004_clear_until_mofed_is_pending_then_blocking_with_an_ordered_plan() -> None:
+    decisions, mem = run([seed_004(t) for t in (20, 30, 1107, 1200)])
+    assert [d.verdict.verdict for d in decisions] == ["clear", "clear", "clear", "blocking"]
+    assert all(d.actions == () for d in decisions[:3])
+    blocking = decisions[-1]
+    assert not blocking.verdict.ok and blocking.strategy == "sequence"
+    assert "rpcrdma" in blocking.verdict.reasons[0] and "pid 4242" in blocking.verdict.reasons[0]
+    hold, *unloads = blocking.actions
+    assert isinstance(hold, WriteFile) and hold.path == HOLD_FILE
+    assert hold.content.startswith("# Written by nodeagent (storage guard)")
+    assert "install rpcrdma /bin/false\n" in hold.content
+    assert "install xprtrdma /bin/false\n" in hold.content
+    order = [a.module for a in unloads if isinstance(a, UnloadModule)]
+    # Holders first, computed from the graph: ib_core stays (mlx5_ib holds it).
+    assert order == ["rpcrdma", "rdma_cm", "sunrpc", "ib_cm", "iw_cm"]
+    assert mem.removed == ("rpcrdma",) and mem.holding
+
+
+def test_after_removal_holding_then_ready_removes_hold_and_loads_back_from_mofed() -> None:
+    _, mem = run([seed_004(1200)])
+    held = node(*INBOX, mod("ib_core", "mlx5_ib"), now=1201, locked=True, hold=True)
+    d = GUARD.decide(held, mem)
+    assert (d.verdict.verdict, d.verdict.ok, d.actions) == ("holding", True, ())
+    # MOFED crash-loops: between its tries it is not pending, the hold stays until ready.
+    d = GUARD.decide(replace(held, locks=()), d.memory)
+    assert d.verdict.verdict == "holding" and d.actions == ()
+    ready = replace(
+        held,
+        locks=(),
+        files=MappingProxyType({**held.files, READY: FileFact(READY, True, FileId(1, 2, 2))}),
+    )
+    d = GUARD.decide(ready, d.memory)
+    assert d.verdict.verdict == "clear" and d.verdict.ok
+    remove, load = d.actions
+    assert isinstance(remove, RemoveFile) and remove.path == HOLD_FILE
+    assert load == LoadModule("storage", "rpcrdma", ("run/mellanox/drivers", ""), load.reason)
+    mem = GUARD.absorb(d.memory, ActionOutcome(remove, ok=True), 1300)
+    mem = GUARD.absorb(mem, ActionOutcome(load, ok=True), 1300)
+    assert mem.removed == () and not mem.holding
+
+
+def test_an_active_rdma_mount_is_in_use_named_and_untouched() -> None:
+    mount = Mount("/mnt/shared", "10.24.0.5:/shared", "nfs4", ("rw", "vers=4.1", "proto=rdma"))
+    snap = node(*INBOX, *CHAIN[:-1], mod("rpcrdma", refcnt=1), locked=True, mounts=(mount,))
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "in-use" and not d.verdict.ok and d.actions == ()
+    assert d.verdict.reasons[0] == (
+        "rpcrdma is in use: NFS-over-RDMA mount /mnt/shared (10.24.0.5:/shared)"
+    )
+
+
+def test_an_nvme_of_rdma_controller_is_named() -> None:
+    ctrl = NvmeController("nvme1", "rdma", "nqn.2026-11.io.example:vol1", "traddr=10.0.0.9")
+    snap = node(
+        mod("nvme_core", "nvme_fabrics", "nvme_rdma"),
+        mod("nvme_fabrics", "nvme_rdma"),
+        mod("nvme_rdma", refcnt=1),
+        locked=True,
+        nvme=(ctrl,),
+    )
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "in-use"
+    assert (
+        "NVMe-oF controller nvme1 (subsystem nqn.2026-11.io.example:vol1)" in d.verdict.reasons[0]
+    )
+
+
+def test_an_nvme_root_disk_keeps_nvme_nvme_core_and_nvme_fabrics() -> None:
+    local = NvmeController("nvme0", "pcie", "nqn.2014.08.org.nvmexpress:root")
+    snap = node(
+        mod("nvme", refcnt=2),  # the root disk: used, not by a module
+        mod("nvme_core", "nvme", "nvme_fabrics", "nvme_rdma"),
+        mod("nvme_fabrics", "nvme_rdma"),
+        mod("nvme_rdma"),
+        mod("rdma_cm", "nvme_rdma"),
+        mod("ib_core", "rdma_cm", "nvme_rdma"),
+        mod("crc64_rocksoft_generic", refcnt=1),  # a crypto module's handle: not a user
+        locked=True,
+        nvme=(local,),
+    )
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "blocking"
+    order = [a.module for a in d.actions if isinstance(a, UnloadModule)]
+    assert order == ["nvme_rdma", "rdma_cm", "ib_core"]
+
+
+def test_mofed_ready_is_clear_with_storage_loaded() -> None:
+    snap = node(*INBOX, *CHAIN, ready=True)
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert (d.verdict.verdict, d.verdict.ok, d.actions) == ("clear", True, ())
+
+
+def test_the_flag_seen_removed_is_pending_without_the_lock() -> None:
+    mem = GUARD.decide(node(*INBOX, ready=True), GUARD.initial_memory()).memory
+    d = GUARD.decide(node(*INBOX, *CHAIN), mem)
+    assert d.verdict.verdict == "blocking"
+    assert "was removed" in d.verdict.reasons[0]
+
+
+def test_a_holders_cycle_refuses_to_guess() -> None:
+    snap = node(mod("rpcrdma", "loopy"), mod("loopy", "rpcrdma"), locked=True)
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "blocking" and d.actions == ()
+    assert any("holders cycle among loopy, rpcrdma" in r for r in d.verdict.reasons)
+
+
+def test_policies_unload_and_off() -> None:
+    unload = StorageGuard(StoragePolicy(policy="unload"))
+    d = unload.decide(seed_004(1200), unload.initial_memory())
+    assert d.actions and not any(isinstance(a, WriteFile) for a in d.actions)
+    off = StorageGuard(StoragePolicy(policy="off"))
+    d = off.decide(seed_004(1200), off.initial_memory())
+    assert d.verdict.verdict == "blocking" and d.actions == ()
+
+
+def test_a_stale_hold_file_is_removed_at_start_unless_mofed_is_pending() -> None:
+    d = GUARD.decide(node(*INBOX, hold=True), GUARD.initial_memory())
+    assert d.verdict.verdict == "clear" and [type(a) for a in d.actions] == [RemoveFile]
+    d = GUARD.decide(node(*INBOX, hold=True, locked=True), GUARD.initial_memory())
+    assert d.verdict.verdict == "holding" and d.actions == ()
+
+
+def test_a_failed_unload_backs_off_and_stops_the_plan_there() -> None:
+    d = GUARD.decide(seed_004(1200), GUARD.initial_memory())
+    failed = ActionOutcome(d.actions[1], ok=False, errno=16, error="rmmod rpcrdma: EBUSY")
+    mem = GUARD.absorb(d.memory, failed, 1200)
+    assert mem.failures == 1 and mem.retry_at == 1205 and mem.last_error == "rmmod rpcrdma: EBUSY"
+    again = GUARD.decide(replace(seed_004(1200), now=1203), mem)
+    assert again.actions == () and again.wake_at == 1205
+    assert again.verdict.evidence["last_error"] == "rmmod rpcrdma: EBUSY"
+
+
+def test_observe_mode_changes_no_memory_and_on_stop_removes_only_its_own_hold() -> None:
+    _, mem = run([seed_004(1200)], performed=False)
+    assert mem.removed == () and not mem.holding
+    assert GUARD.on_stop(mem) == ()
+    _, mem = run([seed_004(1200)])
+    (stop,) = GUARD.on_stop(mem)
+    assert stop == RemoveFile("storage", HOLD_FILE, stop.reason)
+
+
+def test_memory_round_trips_and_bad_memory_is_refused() -> None:
+    _, mem = run([seed_004(1200)])
+    assert GUARD.memory_from_json(GUARD.memory_to_json(mem)) == mem
+    with pytest.raises(ValueError, match="storage memory is malformed: removed"):
+        GUARD.memory_from_json({"removed": "rpcrdma"})
+
+
+def test_policy_parsing_names_bad_values() -> None:
+    from nodeagent.core.storage import parse_policy
+    from nodeagent.errors import NodeagentError
+
+    pol = parse_policy({"policy": "unload", "modules": ["rpcrdma", "xprtrdma"]}, StoragePolicy())
+    assert pol.policy == "unload" and pol.roots == ("rpcrdma",)
+    for table, msg in (
+        ({"policy": "yank"}, "config storage.policy: expected 'unload' or 'hold' or 'off'"),
+        ({"modules": ["rpcrdma", "bad name!"]}, "invalid kernel module name 'bad name!'"),
+        ({"hold_file": "/etc/x"}, "must be relative to the host root"),
+        ({"reload": "yes"}, "config storage.reload: expected true or false"),
+        ({"unknown": 1}, "config [storage] has unknown key 'unknown'"),
+    ):
+        with pytest.raises(NodeagentError, match=msg.replace("[", r"\[").replace("(", r"\(")):
+            parse_policy(table, StoragePolicy())
