@@ -415,9 +415,30 @@ class GpuSpec:
     build_s: float = 140.0  # first start: compile in the driver toolkit
     install_s: float = 45.0  # nvidia-installer (rebuilds nvidia-peermem.ko on every start)
     modprobe_gap_s: float = 2.0
+    # KERNEL_MODULE_TYPE: "auto" picks the open modules from branch 560 on (580 here).
+    kernel_module_type: str = "open"
+    driver_version: str = "580.95.05"
+
+
+NVIDIA_VERSION_FILE = "proc/driver/nvidia/version"
+
+
+def nvidia_banner(spec: GpuSpec, arch: str) -> str:
+    """The first lines of /proc/driver/nvidia/version, as each kind of module prints them."""
+    kind = (
+        f"Open Kernel Module for {arch}"
+        if spec.kernel_module_type == "open"
+        else (f"{arch} Kernel Module")
+    )
+    return (
+        f"NVRM version: NVIDIA UNIX {kind}  {spec.driver_version}  Release Build  (sim)\n"
+        "GCC version:  gcc version 11.4.1 (GCC)\n"
+    )
 
 
 def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-ctr") -> Container:
+    # What the nvidia module it builds shows while loaded.
+    node.kernel.proc_files["nvidia"] = (NVIDIA_VERSION_FILE, nvidia_banner(spec, node.arch))
     return Container(
         node,
         name,

@@ -228,6 +228,9 @@ class SimKernel:
         self._builtin = {"kernel", "printk"}
         # driver hooks: a module going live binds its devices, going unbinds them
         self._on_live: dict[str, list[Callable[[], None]]] = {}
+        # Files a module creates while it is live (path under the root -> text), e.g.
+        # nvidia's /proc/driver/nvidia/version; written at live, removed at going.
+        self.proc_files: dict[str, tuple[str, str]] = {}
         self._on_going: dict[str, list[Callable[[], None]]] = {}
         self._setup_tree()
 
@@ -402,6 +405,9 @@ class SimKernel:
             self._write_attr(name, "initstate", "live")
             if name in self.init_messages:
                 self.log(self.init_messages[name])
+            if name in self.proc_files:
+                rel, text = self.proc_files[name]
+                self._write(self.root / rel, text)
             for hook in list(self._on_live.get(name, ())):
                 hook()
 
@@ -467,6 +473,8 @@ class SimKernel:
                 raise ModuleOpError("unload", name, errno.EBUSY, f"in use (refcnt {m.refcnt})")
             m.state = "going"
             self._write_attr(name, "initstate", "going")
+            if name in self.proc_files:
+                self._unlink(self.root / self.proc_files[name][0])
             self._note(f"unload {name}")
             for hook in list(self._on_going.get(name, ())):
                 hook()

@@ -9,7 +9,7 @@ the timeline and a verdict.
 - ``kernel-upgrade-race`` (seeds 000-002): the driver container loads
   nvidia_peermem mid-``openibd restart``: EINVAL, crash, restart;
 - ``storage-module-race`` (004): an NFS-over-RDMA mount loads rpcrdma first;
-  MOFED refuses to install, the GPU driver pod is never scheduled;
+  MOFED refuses to install, the GPU driver pod waits for it in its init container;
 - ``vf-restore`` (003, phase 1): MOFED's VF restore meets a netdev being
   renamed and exits; the VFs' config is lost;
 - ``mofed-upgrade`` (003, phase 2): the serial restore overtakes the VF probes
@@ -149,20 +149,6 @@ def _configure_vfs(node: Node, n: int) -> list[VfConfig]:
     return wanted
 
 
-def _gpu_pod_when_mofed_ready(node: Node, gpu: Container) -> Callable[[], None]:
-    """The GPU Operator schedules the driver pod once MOFED is ready (mofed.wait label)."""
-
-    def body() -> None:
-        while not node.exists(READY):
-            node.sleep(5.0)
-        node.emit(
-            "GPU driver", "GPU Operator: MOFED ready (mofed.wait=false): driver pod scheduled"
-        )
-        gpu.start()
-
-    return body
-
-
 def _start_at(node: Node, t: float, *containers: Container | None) -> None:
     def start() -> None:
         for c in containers:
@@ -220,7 +206,9 @@ def _storage_module_race(node: Node, agent: bool) -> Cast:
     gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=15, build_s=120))
     sidecar = peermem_sidecar(node, gpu)
     _start_at(node, 1200.0, mofed)
-    sched.spawn("gpu-operator", _gpu_pod_when_mofed_ready(node, gpu), delay=-sched.now())
+    # The driver pod runs from boot; its k8s-driver-manager waits for MOFED's ready flag
+    # (the GPU Operator does not schedule on the mofed.wait label: deploy/README.md).
+    _start_at(node, 0.0, gpu)
     return Cast(mofed=[mofed], gpu=gpu, sidecar=sidecar, target=MOFED_2501, nfs=True)
 
 

@@ -113,7 +113,7 @@ def _svg(pic: Picture, fmt: TimeFormat) -> str:
         svg.lane(lane, fmt)
     svg.y += 8
     for gate in pic.gates:
-        svg.lane(gate, fmt, f"{gate.name} gate")
+        svg.lane(gate, fmt)
     if pic.vfs:
         svg.y += 8
         svg.add(f'<text class="lane" x="4" y="{svg.y + 10:.1f}">VF restores</text>')
@@ -142,7 +142,7 @@ def _events(pic: Picture, fmt: TimeFormat) -> str:
         rows += [(s.start, lane.name, s.label, s.tone) for s in lane.segments]
         rows += [(m.t, lane.name, m.label, m.tone) for m in lane.markers]
     for gate in pic.gates:
-        rows += [(s.start, f"{gate.name} gate", s.label, s.tone) for s in gate.segments]
+        rows += [(s.start, gate.name, s.label, s.tone) for s in gate.segments]
     rows.sort(key=lambda r: r[0])
     body = "".join(
         f'<tr><td class="t">{_e(fmt(t))}</td><td>{_e(lane)}</td>'

@@ -196,11 +196,12 @@ def build_picture(
             guard = str(rec.get("guard"))
             kernel = str(rec["kernel"]) if rec.get("kernel") else kernel
             reasons = rec.get("reasons") or []
-            if rec.get("verdict") == "open":
-                gates.setdefault(guard, _States()).at(t, "open", "ok")
-            else:
-                why = str(reasons[0]) if reasons else str(rec.get("verdict"))
-                gates.setdefault(guard, _States()).at(t, f"closed: {why}", "bad")
+            word = str(rec.get("verdict"))
+            # Each guard has its own verdict words; "ok" says whether anything is wrong.
+            ok = rec.get("ok", word == "open")
+            lane = f"{guard} gate" if rec.get("gate", guard == "peermem") else guard
+            label = word if ok or not reasons else f"{word}: {reasons[0]}"
+            gates.setdefault(lane, _States()).at(t, label, "ok" if ok else "bad")
             for e in rec.get("events") or []:
                 markers["agent"].append(Marker(t, f"{guard}: {e}", "idle"))
             ev = rec.get("evidence")

@@ -43,7 +43,7 @@ def _row(cells: list[str], widths: list[int]) -> list[str]:
 def _gate_lines(pic: Picture, fmt: TimeFormat) -> list[str]:
     lines = []
     for gate in pic.gates:
-        lines.append(f"  {printable(gate.name)} gate")
+        lines.append(f"  {printable(gate.name)}")
         for seg in gate.segments:
             span = f"{fmt(seg.start)}–{fmt(seg.end)} ({_span(seg.end - seg.start)})"
             lines.append(f"    {span} {printable(seg.label)}")

@@ -177,3 +177,17 @@ def test_a_failing_agent_pass_fails_the_simulation(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(Observer, "observe", broken)
     with pytest.raises(SimError, match="observer broke"):
         run_scenario(SCENARIOS["kernel-upgrade-race"], agent=True)
+
+
+def test_the_seed_node_shows_open_modules_and_the_agent_reports_dma_buf() -> None:
+    # 580 with KERNEL_MODULE_TYPE=auto builds the open modules; el9's 5.14 is >= 5.12.
+    r = run("kernel-upgrade-race", agent=True)
+    peermem = [
+        x for x in r.agent_records if x.get("kind") == "decision" and x["guard"] == "peermem"
+    ]
+    gpudirect = peermem[-1]["evidence"]["gpudirect"]
+    assert gpudirect["modules"] == "open" and gpudirect["dmabuf_capable"] is True
+    assert gpudirect["summary"] == "DMA-BUF capable; peermem not required"
+    closed = [x for x in peermem if x["reasons"]]
+    assert any(x["reasons"][-1].startswith("GPUDirect RDMA: DMA-BUF capable") for x in closed)
+    assert r.verdict.peermem_loaded  # reported, never acted on: peermem stays loaded
