@@ -265,3 +265,17 @@ def test_policy_parsing_names_bad_values() -> None:
     ):
         with pytest.raises(NodeagentError, match=msg.replace("[", r"\[").replace("(", r"\(")):
             parse_policy(table, StoragePolicy())
+
+
+def test_an_unreadable_refcnt_is_not_taken_for_unused() -> None:
+    blind = replace(mod("rpcrdma"), refcnt=None, problems=("refcnt is 'x' (not a number)",))
+    snap = node(*INBOX, *CHAIN[:-1], blind, locked=True)
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "blocking" and not d.verdict.ok and d.actions == ()
+    assert "cannot tell whether rpcrdma is in use (refcnt unreadable)" in d.verdict.reasons[-1]
+    # A lower module of the chain with an unreadable refcnt stays where it is.
+    snap = node(
+        *INBOX, *CHAIN[:-2], replace(mod("sunrpc", "rpcrdma"), refcnt=None), CHAIN[-1], locked=True
+    )
+    order = [a.module for a in GUARD.decide(snap, GUARD.initial_memory()).actions[1:]]
+    assert "sunrpc" not in order and order[0] == "rpcrdma"

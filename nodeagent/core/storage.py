@@ -258,10 +258,18 @@ class StorageGuard:
                     + "; ".join(pending)
                     + "): MOFED will refuse to install"
                 )
+                unknown = sorted(m for m in tops if snap.modules[m].refcnt is None)
                 try:
                     order = removal_order(snap.modules, self._removal_set(snap, tops))
                 except RemovalBlocked as exc:
                     reasons.append(f"cannot order the removal: {exc}")
+                    order = []
+                if unknown:  # fail closed: a user the agent cannot see may be there
+                    reasons.append(
+                        f"cannot tell whether {', '.join(unknown)} "
+                        f"{'is' if len(unknown) == 1 else 'are'} in use (refcnt unreadable); "
+                        "not removing"
+                    )
                     order = []
                 evidence["removal_order"] = order
                 if order and pol.policy != "off":
@@ -325,7 +333,11 @@ class StorageGuard:
             for name, mod in snap.modules.items():
                 if name in out or name in NEVER_REMOVE or not mod.holders:
                     continue
-                if all(h in out for h in mod.holders) and mod.outside_refs == 0:
+                if (
+                    all(h in out for h in mod.holders)
+                    and mod.refcnt is not None
+                    and (mod.outside_refs == 0)
+                ):
                     out.add(name)
                     grew = True
         return out
