@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nodeagent import __version__
@@ -24,13 +24,16 @@ from nodeagent.core.guard import Verdict
 from nodeagent.core.reconcile import AgentMemory, Reconciler
 from nodeagent.core.registry import build_reconciler as build_guard_reconciler
 from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
 from nodeagent.host.kmod import ModuleOps, default_module_ops
-from nodeagent.host.observe import Observer, Readers
+from nodeagent.host.netlink import PyrouteOps, SriovOps
+from nodeagent.host.observe import Observer, Readers, no_sriov
+from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.host.state import StateStore
 from nodeagent.timeline import Timeline, bounded
 
@@ -40,6 +43,14 @@ log = logging.getLogger("nodeagent")
 def build_reconciler(cfg: Config) -> Reconciler:
     """Every guard of core/registry.py with its configured policy."""
     return build_guard_reconciler(cfg.policies, cfg.paths)
+
+
+def sriov_host(
+    cfg: Config, host: HostRoot, ops: SriovOps | None
+) -> tuple[SriovObserver, SriovStore]:
+    """The VF guard's reader (PFs, VFs, sriov-cni cache, snapshot file) and its store."""
+    store = SriovStore(host, cfg.paths.sriov_snapshot)
+    return SriovObserver(host, ops, store, cfg.paths.sriov_cni_cache), store
 
 
 def action_record(o: ActionOutcome) -> dict[str, Any]:
@@ -83,12 +94,15 @@ class Agent:
         on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
         readers: Readers | None = None,
+        sriov_ops: SriovOps | None = None,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
         the exception; ``on_record``
         sees every timeline record. All three are for embedding; the daemon uses none.
-        ``readers`` replaces the observer's readers of locks, mounts, NVMe and SR-IOV.
+        ``readers`` replaces the observer's readers of locks, mounts, NVMe and SR-IOV;
+        ``sriov_ops`` the netlink and ``sriov_numvfs`` access of the VF guard (the
+        simulator's kernel; pyroute2 by default).
         """
         self.cfg = cfg
         self.pass_context = pass_context or nullcontext
@@ -97,11 +111,17 @@ class Agent:
         self.host = HostRoot(cfg.host_root)
         self.clock = clock
         self.reconciler = build_reconciler(cfg)
+        self.sriov_ops = sriov_ops or PyrouteOps(self.host)
+        sriov_reader, self.sriov_store = sriov_host(cfg, self.host, self.sriov_ops)
+        readers = readers or Readers()
+        if readers.sriov is no_sriov:
+            readers = replace(readers, sriov=sriov_reader.read)
         self.observer = Observer(self.host, cfg, self.reconciler.needs(), readers)
         self.actuator = Actuator(
             self.host,
             module_ops or default_module_ops(),
             kernel_log or kmsg_reader(cfg.kmsg),
+            sriov_ops=self.sriov_ops,
             verified_fd=self.observer.verified_fd,  # load the very file the gate checked
             clock=clock,
         )
@@ -209,6 +229,7 @@ class Agent:
 
         self.memory = memory
         self._save_memory(memory)
+        self._keep_sriov_snapshot(memory)
         try:
             self.state.write_status(self.status_document(snap, rec.verdicts, outcomes))
         except (OSError, NodeagentError) as exc:
@@ -232,6 +253,20 @@ class Agent:
             woken_by=tuple(woken_by),
             started=now,
         )
+
+    def _keep_sriov_snapshot(self, memory: AgentMemory) -> None:
+        """Bookkeeping after the pass's actions: the VF snapshot file follows the guard's memory."""
+        for report in self.sriov_store.reports:
+            log.warning(report)
+            self.record({"kind": "state-problem", "problem": report})
+        self.sriov_store.reports.clear()
+        sriov = memory.get("sriov")
+        if not isinstance(sriov, SriovMemory):
+            return
+        try:
+            self.sriov_store.save({pci: m.saved for pci, m in sriov.pfs.items()})
+        except (OSError, NodeagentError) as exc:  # a record: it does not hold any gate
+            self._bookkeeping_failed("SR-IOV snapshot write failed", exc, vouch=True)
 
     def _save_memory(self, memory: AgentMemory) -> None:
         doc = self.reconciler.memory_to_json(memory)

@@ -196,15 +196,20 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
 def cmd_check(cfg: Config, as_json: bool) -> int:
     from nodeagent.core.registry import build_reconciler
     from nodeagent.host.fs import HostRoot
-    from nodeagent.host.observe import Observer
+    from nodeagent.host.netlink import PyrouteOps
+    from nodeagent.host.observe import Observer, Readers
+    from nodeagent.host.sriov import SriovObserver, SriovStore
     from nodeagent.host.state import StateStore
     from nodeagent.timeline import bounded
 
     host = HostRoot(cfg.host_root)
+    # Read-only: a bad snapshot file is reported here, moved aside only by the daemon.
+    store = SriovStore(host, cfg.paths.sriov_snapshot, read_only=True)
+    sriov = SriovObserver(host, PyrouteOps(host), store, cfg.paths.sriov_cni_cache)
     reconciler = build_reconciler(cfg.policies, cfg.paths)
     # Read-only use of the daemon's memory, so a stale flag is judged as the daemon would.
     memory, problems = StateStore(host, cfg.paths.state_dir).load_memory(reconciler, read_only=True)
-    observer = Observer(host, cfg, reconciler.needs())
+    observer = Observer(host, cfg, reconciler.needs(), Readers(sriov=sriov.read))
     snap = observer.observe(time.time())
     observer.close()
     rec = reconciler.decide(snap, memory)

@@ -146,3 +146,18 @@ def test_a_symlinked_banner_is_not_followed_and_reads_as_unknown(tmp_path: Path)
     fact = observer.read_text_fact(VERSION)
     assert fact.text is None and fact.problem is not None and "unreadable" in fact.problem
     assert classify(fact, "6.1.0", ()).dmabuf_capable is None
+
+
+def test_metrics_sample_says_dma_buf_capable_and_is_absent_while_unknown() -> None:
+    def samples(snap: NodeSnapshot) -> dict[str, tuple[dict[str, str], float]]:
+        verdict = GATE.decide(snap, GATE.initial_memory()).verdict
+        found = GATE.metric_samples(verdict, ())
+        return {s.family: (dict(s.labels), s.value) for s in found}
+
+    open_node = samples(node(OPEN, "6.1.0-40-amd64"))
+    assert open_node["nodeagent_gpudirect_dmabuf_capable"] == ({"modules": "open"}, 1.0)
+    prop = samples(node(PROPRIETARY, "6.8.0"))
+    assert prop["nodeagent_gpudirect_dmabuf_capable"] == ({"modules": "proprietary"}, 0.0)
+    assert "nodeagent_gpudirect_dmabuf_capable" not in samples(node(None, "6.1.0"))
+    families = {f.name for f in GATE.metric_families}
+    assert "nodeagent_gpudirect_dmabuf_capable" in families

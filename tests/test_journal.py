@@ -155,7 +155,7 @@ def test_records_reach_a_real_journald_with_their_fields(
     kinds = [json.loads(line).get("record", {}).get("kind") for line in p.stderr.splitlines()]
     assert "decision" in kinds and "action" in kinds
 
-    entries = jd.wait_for(3, SYSLOG_IDENTIFIER="nodeagent")  # two guards' decisions, a load
+    entries = jd.wait_for(3, SYSLOG_IDENTIFIER="nodeagent")  # the guards' decisions, a load
     by_kind = {(e.get("NODEAGENT_KIND"), e.get("NODEAGENT_GUARD")): e for e in entries}
     decision, action = by_kind["decision", "peermem"], by_kind["action", "peermem"]
     assert decision["MESSAGE_ID"] == message_id("decision")

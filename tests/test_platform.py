@@ -18,6 +18,7 @@ from nodeagent.core.actions import Plan, UnloadModule, WriteFile
 from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
 from nodeagent.core.registry import GUARDS
 from nodeagent.core.snapshot import FileLock
+from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
 from nodeagent.host.act import Actuator, Handler, NodeHands
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.observe import Observer, Readers
@@ -216,16 +217,19 @@ def test_readers_are_injectable_and_only_run_when_declared(node: Path) -> None:
         calls.append("locks")
         return (lock,), ["a reader problem"]
 
-    def sriov() -> tuple[tuple[Any, ...], list[str]]:
+    observed = SriovObservation(problems=("pf0",))
+
+    def sriov() -> tuple[SriovObservation, list[str]]:
         calls.append("sriov")
-        return ("pf0",), []
+        return observed, []
 
     readers = Readers(locks=locks, sriov=sriov)
     cfg = Config(host_root=str(node))
     snap = Observer(HostRoot(node), cfg, Needs(locks=True), readers).observe(1.0)
-    assert snap.locks == (lock,) and "a reader problem" in snap.problems and snap.sriov == ()
+    assert snap.locks == (lock,) and "a reader problem" in snap.problems
+    assert snap.sriov == EMPTY_SRIOV
     snap = Observer(HostRoot(node), cfg, Needs(sriov=True), readers).observe(1.0)
-    assert snap.sriov == ("pf0",) and snap.locks == ()
+    assert snap.sriov is observed and snap.locks == ()
     assert calls == ["locks", "sriov"]
 
 

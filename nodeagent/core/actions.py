@@ -11,7 +11,7 @@ runs up to ``bound`` steps at once) over the steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,43 @@ class RemoveFile:
         return f"remove {self.path}"
 
 
-Action = LoadModuleFile | LoadModule | UnloadModule | WriteFile | RemoveFile
+@dataclass(frozen=True)
+class RestoreVf:
+    """Bring one VF's saved config back: through its PF (netlink), then its own netdev.
+
+    The host resolves the PF and the VF's netdev from their PCI addresses at
+    the time it acts (names change: udev renames a new VF netdev), writes only
+    the fields that differ, and reads every field back.
+    """
+
+    guard: str
+    pf_pci: str
+    index: int
+    vf_pci: str
+    pf_settings: tuple[tuple[str, Any], ...]  # (field, value), set with IFLA_VFINFO_LIST
+    link_settings: tuple[tuple[str, Any], ...]  # (field, value), set on the VF's netdev
+    reason: str
+
+    def describe(self) -> str:
+        return f"restore VF {self.index} ({self.vf_pci}) of {self.pf_pci}"
+
+
+@dataclass(frozen=True)
+class SetNumVfs:
+    """Write ``sriov_numvfs`` (through 0 first when VFs exist: the kernel refuses n -> m)."""
+
+    guard: str
+    pf_pci: str
+    numvfs: int
+    through_zero: bool
+    reason: str
+
+    def describe(self) -> str:
+        via = " (through 0)" if self.through_zero else ""
+        return f"set sriov_numvfs of {self.pf_pci} to {self.numvfs}{via}"
+
+
+Action = LoadModuleFile | LoadModule | UnloadModule | WriteFile | RemoveFile | RestoreVf | SetNumVfs
 
 Strategy = Literal["sequence", "parallel"]
 
@@ -101,3 +137,5 @@ class ActionOutcome:
     # Stamped by the host layer when performed (agent clock): when it ended, how long it took.
     finished_at: float | None = None
     seconds: float | None = None
+    # Per-field results of a multi-field action: (field, "written" | "unsupported" | ...).
+    detail: tuple[tuple[str, str], ...] = ()

@@ -30,6 +30,8 @@ class HostPaths:
     nvidia_version: str = "proc/driver/nvidia/version"  # the loaded driver's banner
     memory_peers: str = "sys/kernel/mm/memory_peers"  # peer-memory clients (MOFED's ib_core)
     journal_socket: str = "run/systemd/journal/socket"
+    sriov_snapshot: str = "var/lib/nodeagent/sriov.json"  # the VF guard's saved VF configs
+    sriov_cni_cache: str = "var/lib/cni/sriov"  # sriov-cni's per-attachment cache
 
     @property
     def mofed(self) -> MofedMarkers:

@@ -143,6 +143,13 @@ class PeermemGate:
             "gauge",
             "consecutive failed nvidia_peermem loads (the retry backoff's count)",
         ),
+        MetricFamily(
+            "nodeagent_gpudirect_dmabuf_capable",
+            "gauge",
+            "1 when GPUDirect RDMA can use DMA-BUF (open kernel modules, kernel >= 5.12: "
+            "peermem not required), 0 when it needs nvidia_peermem; absent while unknown",
+            ("modules",),
+        ),
     )
 
     def __init__(self, policy: PeermemPolicy | None = None, paths: HostPaths | None = None) -> None:
@@ -177,6 +184,11 @@ class PeermemGate:
         out.append(Sample("nodeagent_peermem_mofed_ready", {}, float(bool(ev.get("mofed_ready")))))
         failures = (ev.get("peermem") or {}).get("failures", 0)
         out.append(Sample("nodeagent_peermem_load_failures", {}, float(failures)))
+        gpudirect = ev.get("gpudirect") or {}
+        if gpudirect.get("dmabuf_capable") is not None:
+            modules = {"modules": str(gpudirect.get("modules"))}  # open | proprietary
+            capable = float(bool(gpudirect["dmabuf_capable"]))
+            out.append(Sample("nodeagent_gpudirect_dmabuf_capable", modules, capable))
         return out
 
     def mofed_ready(self, snap: NodeSnapshot, memory: PeermemMemory) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nodeagent.core import peermem, storage
+from nodeagent.core import peermem, sriov, storage
 from nodeagent.core.guard import Guard
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.reconcile import Reconciler
@@ -30,6 +30,7 @@ class GuardEntry:
 GUARDS: tuple[GuardEntry, ...] = (
     GuardEntry("peermem", peermem.PeermemPolicy(), peermem.parse_policy, peermem.PeermemGate),
     GuardEntry("storage", storage.StoragePolicy(), storage.parse_policy, storage.StorageGuard),
+    GuardEntry("sriov", sriov.SriovPolicy(), sriov.parse_policy, sriov.SriovGuard),
 )
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
+
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -138,8 +140,8 @@ class NodeSnapshot:
     mounts: tuple[Mount, ...] = ()
     nvme: tuple[NvmeController, ...] = ()
     nvmet_ports: tuple[NvmetPort, ...] = ()
-    sriov: tuple[Any, ...] = ()  # SR-IOV PFs read through netlink (the VF guard's type)
     problems: tuple[str, ...] = ()  # node-wide read problems (e.g. /sys/module unreadable)
+    sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (nodeagent.host.sriov)
 
     def module(self, name: str) -> LoadedModule | None:
         return self.modules.get(name)

@@ -45,20 +45,30 @@ from nodeagent.core.actions import (
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
+from nodeagent.host.netlink import SriovOps
 
 KernelLog = Callable[[str], list[str]]
-Handler = Callable[[Any], None]  # performs one action; raises StepFailed, OSError, NodeagentError
+# Performs one action; raises StepFailed, OSError, NodeagentError. It may return per-field
+# results, (field, "written" | "unsupported" | ...), for an action that sets several fields.
+Handler = Callable[[Any], tuple[tuple[str, str], ...] | None]
 _TRANSIENT = {errno.EAGAIN, errno.EINTR}
 
 
 class StepFailed(Exception):
     """An action the node refused, with what the guard needs to know about it."""
 
-    def __init__(self, error: str, err: int | None = None, messages: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        error: str,
+        err: int | None = None,
+        messages: tuple[str, ...] = (),
+        detail: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(error)
         self.error = error
         self.errno = err
         self.kernel_messages = messages
+        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,7 @@ class NodeHands:
     first_wait_s: float = 0.05
     # The descriptor the observer read and checked a .ko from (None: not verified now).
     verified_fd: Callable[[str], int | None] | None = None
+    sriov: SriovOps | None = None  # netlink and sriov_numvfs (pyroute2 unless injected)
 
 
 class Executor(Protocol):
@@ -176,8 +187,20 @@ class FileExecutor:
         self.host.remove(action.path)
 
 
+def sriov_executor(hands: NodeHands) -> Executor:
+    """The VF guard's RestoreVf/SetNumVfs (host/sriov_act.py, which imports StepFailed)."""
+    from nodeagent.host.netlink import PyrouteOps
+    from nodeagent.host.sriov_act import SriovExecutor
+
+    return SriovExecutor(hands.host, hands.sriov or PyrouteOps(hands.host))
+
+
 # The executors; a new kind of action is one more entry here.
-EXECUTORS: tuple[Callable[[NodeHands], Executor], ...] = (ModuleExecutor, FileExecutor)
+EXECUTORS: tuple[Callable[[NodeHands], Executor], ...] = (
+    ModuleExecutor,
+    FileExecutor,
+    sriov_executor,
+)
 
 
 class Actuator:
@@ -191,9 +214,13 @@ class Actuator:
         executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
         verified_fd: Callable[[str], int | None] | None = None,
         clock: Callable[[], float] = time.time,
+        sriov_ops: SriovOps | None = None,
     ) -> None:
-        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it)."""
-        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s, verified_fd)
+        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it);
+        ``sriov_ops``: the VF guard's netlink and ``sriov_numvfs`` access (pyroute2 by default)."""
+        hands = NodeHands(
+            host, ops, kernel_log, attempts, first_wait_s, verified_fd=verified_fd, sriov=sriov_ops
+        )
         self.clock = clock
         self.table: dict[type, Handler] = {}
         for make in executors:
@@ -220,7 +247,7 @@ class Actuator:
                 action=action, ok=False, error=f"{action.describe()}: no executor for this action"
             )
         try:
-            handler(action)
+            detail = handler(action)
         except StepFailed as exc:
             return ActionOutcome(
                 action=action,
@@ -228,13 +255,14 @@ class Actuator:
                 errno=exc.errno,
                 error=exc.error,
                 kernel_messages=exc.kernel_messages,
+                detail=exc.detail,
             )
         except (NodeagentError, OSError) as exc:  # a path or name refused, a write failed
             err = exc.errno if isinstance(exc, OSError) else None
             return ActionOutcome(
                 action=action, ok=False, errno=err, error=f"{action.describe()}: {exc}"
             )
-        return ActionOutcome(action=action, ok=True)
+        return ActionOutcome(action=action, ok=True, detail=detail or ())
 
     def run_plan(self, plan: Plan) -> list[ActionOutcome]:
         return self._strategies[plan.strategy](plan)

@@ -39,6 +39,7 @@ from nodeagent.core.snapshot import (
     NvmetPort,
     TextFact,
 )
+from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import (
@@ -55,9 +56,12 @@ _KO_CACHE_MAX = 64  # each entry holds an open descriptor
 _KoKey = tuple[str, int, int, int, int, int]
 
 
-def no_sriov() -> tuple[tuple[Any, ...], list[str]]:
-    """Until a netlink reader is plugged in: no SR-IOV PFs."""
-    return (), []
+SriovReader = Callable[[], tuple[SriovObservation, list[str]]]
+
+
+def no_sriov() -> tuple[SriovObservation, list[str]]:
+    """Without a netlink reader (``nodeagent.host.sriov.SriovObserver.read``): no SR-IOV PFs."""
+    return EMPTY_SRIOV, []
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class Readers:
     mounts: Reader | None = None
     nvme: Reader | None = None
     nvmet_ports: Reader | None = None
-    sriov: Reader = no_sriov
+    sriov: SriovReader = no_sriov
 
 
 INITSTATES = ("live", "coming", "going")
@@ -99,7 +103,7 @@ class Observer:
         self.read_nvmet_ports: Reader = readers.nvmet_ports or (
             lambda: read_nvmet_ports(host, cfg.paths.nvmet_ports)
         )
-        self.read_sriov: Reader = readers.sriov
+        self.read_sriov: SriovReader = readers.sriov
         # identity key -> (parse result, the descriptor it was read from)
         self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
         self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
@@ -298,7 +302,8 @@ class Observer:
         mounts = self._run(self.read_mounts, problems) if needs.mounts else ()
         nvme = self._run(self.read_nvme, problems) if needs.nvme else ()
         ports = self._run(self.read_nvmet_ports, problems) if needs.nvme else ()
-        sriov = self._run(self.read_sriov, problems) if needs.sriov else ()
+        sriov, sriov_problems = self.read_sriov() if needs.sriov else no_sriov()
+        problems.extend(sriov_problems)
         return NodeSnapshot(
             now=now,
             kernel=kernel,

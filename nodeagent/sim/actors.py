@@ -340,8 +340,17 @@ def _openibd_restart(node: Node, spec: MofedSpec, c: Container) -> None:
     loaded = k.module("mlx5_core")
     have = loaded.info.srcversion if loaded else None
     say(f"srcversion mismatch (loaded {have}, installed {srcversion_of('mlx5_core', spec.gen)})")
+    # MOFED saves only the VFs whose netdev is in the host's namespace: not those
+    # moved into a pod, nor those bound to vfio-pci.
     saved = {
-        pf.ifname: [(vf.index, vf.pci, vf.netdev, vf.config) for vf in pf.vfs]
+        pf.ifname: (
+            len(pf.vfs),
+            [
+                (vf.index, vf.pci, vf.netdev, vf.config)
+                for vf in pf.vfs
+                if vf.netdev is not None and vf.netns is None
+            ],
+        )
         for pf in k.pfs.values()
         if pf.vfs
     }
@@ -366,11 +375,13 @@ def _openibd_restart(node: Node, spec: MofedSpec, c: Container) -> None:
         node.sleep(spec.load_gap_s)
     say("Loading HCA driver and Access Layer: [  OK  ]")
     node.remove(BLACKLIST)
-    for pf_name, vfs in saved.items():
-        _restore_vfs(node, spec, c, pf_name, vfs)
+    for pf_name, (numvfs, vfs) in saved.items():
+        _restore_vfs(node, spec, c, pf_name, numvfs, vfs)
 
 
-def _restore_vfs(node: Node, spec: MofedSpec, c: Container, pf_name: str, vfs: list[Any]) -> None:
+def _restore_vfs(
+    node: Node, spec: MofedSpec, c: Container, pf_name: str, numvfs: int, vfs: list[Any]
+) -> None:
     """MOFED's restore: serial, a fixed delay instead of waiting, exit on the first failure.
 
     It saved each VF's MAC, MTU and admin state (not trust, spoofchk, link
@@ -378,9 +389,9 @@ def _restore_vfs(node: Node, spec: MofedSpec, c: Container, pf_name: str, vfs: l
     """
     k = node.kernel
     say = c.say
-    say(f"restore_sriov_config: {pf_name} up, echo {len(vfs)} > sriov_numvfs")
+    say(f"restore_sriov_config: {pf_name} up, echo {numvfs} > sriov_numvfs")
     try:
-        k.write_sriov_numvfs(pf_name, len(vfs))
+        k.write_sriov_numvfs(pf_name, numvfs)
     except OSError as exc:
         say(f"restore_sriov_config: write sriov_numvfs failed: {exc.strerror}")
         raise ContainerExit(1) from None

@@ -31,6 +31,7 @@ from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import WakePipe
+from nodeagent.sim.netlink import SimSriovOps
 from nodeagent.sim.node import Node
 
 __all__ = ["AgentHarness", "SimAgent", "agent_guards"]
@@ -79,6 +80,7 @@ class SimAgent:
             pass_context=self._world,
             on_pass=self._pass_done,
             on_record=self._record,
+            sriov_ops=SimSriovOps(node.kernel),
         )
 
     @contextmanager

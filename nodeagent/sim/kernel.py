@@ -173,6 +173,8 @@ class SimVF:
     final_name: str
     netdev: str | None = None  # the current interface name, once it exists
     config: VfConfig = field(default_factory=VfConfig)
+    driver: str | None = None  # bound driver: the PF's VF driver, "vfio-pci", or None
+    netns: str | None = None  # a pod's network namespace holds its netdev (not the host's)
 
 
 @dataclass
@@ -188,6 +190,7 @@ class SimPF:
     present: bool = False  # the PF netdev exists (driver bound)
     vfs: list[SimVF] = field(default_factory=list)
     generation: int = 0  # bumps whenever the VFs are destroyed: stale timers see it
+    autoprobe: bool = True  # sriov_drivers_autoprobe: new VFs get their driver on their own
 
     def vf_pci(self, i: int) -> str:
         dom_bus, devfn = self.pci.rsplit(":", 1)
@@ -607,10 +610,21 @@ class SimKernel:
         )
         self._on_live.setdefault(driver, []).append(lambda: self._driver_bound(pf))
         self._on_going.setdefault(driver, []).append(lambda: self._driver_unbound(pf))
+        self._write(dev / "sriov_drivers_autoprobe", "1\n")
         if self.is_live(driver):
+            self._bind_link(pf.pci, driver)
             self._netdev_add(pf.pci, pf.ifname)
             pf.present = True
         return pf
+
+    def _bind_link(self, pci: str, driver: str | None) -> None:
+        """``<device>/driver``: a symlink to the driver, present while one is bound."""
+        link = self.root / self.PCI_PARENT / pci / "driver"
+        if driver is None:
+            self._unlink(link)
+        else:
+            _symlink(f"../../../bus/pci/drivers/{driver}", link)
+            self.version += 1
 
     def _driver_bound(self, pf: SimPF) -> None:
         gen = pf.generation
@@ -619,6 +633,7 @@ class SimKernel:
             if pf.generation == gen and self.is_live(pf.driver) and not pf.present:
                 with self._lock:
                     pf.present = True
+                    self._bind_link(pf.pci, pf.driver)
                     self._netdev_add(pf.pci, pf.ifname)
 
         self.sched.call_later(pf.probe_delay, appear)
@@ -628,6 +643,7 @@ class SimKernel:
         if pf.present:
             pf.present = False
             self._netdev_remove(pf.pci, pf.ifname)
+        self._bind_link(pf.pci, None)
         pf.generation += 1
 
     def _netdev_add(self, pci: str, ifname: str) -> None:
@@ -679,8 +695,14 @@ class SimKernel:
                 vdev.mkdir(parents=True, exist_ok=True)
                 _symlink(f"../{pf.pci}", vdev / "physfn")
                 _symlink(f"../{vf.pci}", dev / f"virtfn{i}")
+                _symlink(
+                    f"../../../devices/pci0000:00/0000:00:01.0/{vf.pci}",
+                    self.root / "sys/bus/pci/devices" / vf.pci,
+                )
                 self._uevent("add", "pci", vf.pci, f"/devices/pci0000:00/0000:00:01.0/{vf.pci}")
             self._write(dev / "sriov_numvfs", f"{n}\n")
+            if not pf.autoprobe:
+                return  # VFs without a driver until someone binds them (bind_vf)
             gen = pf.generation
             t = 0.0
             for vf in pf.vfs:  # VF probes run one after another
@@ -692,6 +714,8 @@ class SimKernel:
             if pf.generation != gen:
                 return
             with self._lock:
+                vf.driver = pf.driver
+                self._bind_link(vf.pci, vf.driver)
                 vf.netdev = self._free_ethname()
                 self._netdev_add(vf.pci, vf.netdev)
             self.sched.call_later(pf.rename_delay, rename)
@@ -726,9 +750,10 @@ class SimKernel:
     def _destroy_vfs(self, pf: SimPF) -> None:
         dev = self.root / self.PCI_PARENT / pf.pci
         for vf in pf.vfs:
-            if vf.netdev is not None:
+            if vf.netdev is not None and vf.netns is None:
                 self._netdev_remove(vf.pci, vf.netdev)
             self._unlink(dev / f"virtfn{vf.index}")
+            self._unlink(self.root / "sys/bus/pci/devices" / vf.pci)
             self._rmtree(self.root / self.PCI_PARENT / vf.pci)
             self._uevent("remove", "pci", vf.pci, f"/devices/pci0000:00/0000:00:01.0/{vf.pci}")
         pf.vfs = []
@@ -763,13 +788,62 @@ class SimKernel:
         bad = set(changes) - set(LINK_FIELDS)
         if bad:
             raise ValueError(f"not a link attribute: {sorted(bad)}")
+        vf = self.host_vf(ifname)
+        if vf is None:
+            raise OSError(errno.ENODEV, f'Cannot find device "{ifname}"')
+        vf.config = replace(vf.config, **changes)  # type: ignore[arg-type]
+        self.version += 1
+
+    def host_vf(self, ifname: str) -> SimVF | None:
+        """The VF whose netdev is ``ifname`` in the host's network namespace."""
         for pf in self.pfs.values():
             for vf in pf.vfs:
-                if vf.netdev == ifname:
-                    vf.config = replace(vf.config, **changes)  # type: ignore[arg-type]
-                    self.version += 1
-                    return
-        raise OSError(errno.ENODEV, f'Cannot find device "{ifname}"')
+                if vf.netdev == ifname and vf.netns is None:
+                    return vf
+        return None
+
+    def pf_by_pci(self, pci: str) -> SimPF:
+        for pf in self.pfs.values():
+            if pf.pci == pci:
+                return pf
+        raise OSError(errno.ENODEV, f"no PF at {pci}")
+
+    # -- where a VF is: its driver, its netdev's namespace ---------------------------------
+
+    def bind_vf(self, pf_name: str, index: int, driver: str | None = None) -> None:
+        """``driver_override`` + ``drivers_probe``: bind a VF (its netdev appears at once).
+
+        ``driver``: the PF's own VF driver by default; ``vfio-pci`` takes the VF
+        with no netdev (a VM or DPDK owns it).
+        """
+        pf = self._pf(pf_name)
+        vf = pf.vfs[index]
+        with self._lock:
+            self._unbind_vf(vf)
+            vf.driver = driver or pf.driver
+            self._bind_link(vf.pci, vf.driver)
+            if vf.driver != "vfio-pci":
+                vf.netdev = self._free_ethname()
+                self._netdev_add(vf.pci, vf.netdev)
+            self._note(f"bind VF{index} {vf.pci} to {vf.driver}")
+
+    def _unbind_vf(self, vf: SimVF) -> None:
+        if vf.netdev is not None and vf.netns is None:
+            self._netdev_remove(vf.pci, vf.netdev)
+        vf.netdev = None
+        vf.netns = None
+        vf.driver = None
+        self._bind_link(vf.pci, None)
+
+    def move_vf_to_netns(self, pf_name: str, index: int, netns: str, ifname: str) -> None:
+        """What sriov-cni does at pod attach: the VF's netdev leaves the host namespace."""
+        vf = self._pf(pf_name).vfs[index]
+        with self._lock:
+            if vf.netdev is None or vf.netns is not None:
+                raise OSError(errno.ENODEV, f"VF {index} has no host netdev")
+            self._netdev_remove(vf.pci, vf.netdev)
+            vf.netdev = ifname
+            vf.netns = netns
 
     def vf_configs(self, pf_name: str) -> list[VfConfig]:
         return [vf.config for vf in self._pf(pf_name).vfs]

@@ -43,6 +43,10 @@ from pathlib import Path
 RECIPE = 3
 
 BASE_PACKAGES = ("qemu-system-x86", "busybox-static", "kmod")
+# QEMU >= 8 has ``-device igb`` (an 82576 SR-IOV PF whose VFs get igbvf netdevs, for
+# the VF guard's tests); Debian bookworm has 7.2, bookworm-backports a newer one.
+QEMU_MIN_IGB = (8, 0)
+BACKPORTS_SOURCES = Path("/etc/apt/sources.list.d/nodeagent-backports.sources")
 BUSYBOX = Path("/bin/busybox")
 # Modules the initramfs needs to reach the 9p root; dependencies come from modules.dep.
 INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay")
@@ -555,6 +559,7 @@ def ensure() -> Kernel:
     apt = _Apt()
     with _locked(cache / ".setup.lock"):
         apt.install(BASE_PACKAGES)
+        ensure_qemu_igb(apt)
         try:
             try:
                 return _prepare(apt, cache)
@@ -569,6 +574,52 @@ def ensure() -> Kernel:
                 raise
             log(f"{e}; using the cached kernel {cached.kver}")
             return cached
+
+
+def qemu_version() -> tuple[int, int] | None:
+    p = _run(["qemu-system-x86_64", "--version"])
+    m = re.search(r"version (\d+)\.(\d+)", p.stdout) if p.returncode == 0 else None
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _os_codename() -> str | None:
+    try:
+        text = Path("/etc/os-release").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^VERSION_CODENAME=(\w+)$", text, re.M)
+    return m.group(1) if m else None
+
+
+def ensure_qemu_igb(apt: _Apt) -> None:
+    """QEMU >= 8 from <codename>-backports when the system's is older (idempotent).
+
+    Best effort: without it the real-kernel suite runs as before and the igb
+    tests skip, saying why.
+    """
+    have = qemu_version()
+    if have is not None and have >= QEMU_MIN_IGB:
+        return
+    codename = _os_codename()
+    if codename is None:
+        log("no VERSION_CODENAME in /etc/os-release: keeping QEMU as it is (igb tests skip)")
+        return
+    suite = f"{codename}-backports"
+    if not BACKPORTS_SOURCES.exists():
+        BACKPORTS_SOURCES.write_text(
+            "Types: deb\n"
+            "URIs: http://deb.debian.org/debian\n"
+            f"Suites: {suite}\n"
+            "Components: main\n"
+            "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+        )
+        apt.updated = False  # the new suite's lists are needed
+    apt.update_once()
+    log(f"apt-get install -t {suite} qemu-system-x86 (QEMU >= 8 for -device igb)")
+    argv = ["apt-get", *APT_LOCK, "install", "-y", "--no-install-recommends", "-t", suite]
+    p = _run([*argv, "qemu-system-x86"], env=APT_ENV)
+    if p.returncode != 0:
+        log(f"QEMU from {suite} not installed ({_last_line(p.stderr + p.stdout)}); igb tests skip")
 
 
 def _newest_ready(cache: Path) -> Kernel | None:

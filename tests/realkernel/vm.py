@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import shutil
@@ -108,6 +109,34 @@ def _qarg(path: Path | str) -> str:
     return str(path).replace(",", ",,")
 
 
+@functools.cache
+def has_igb() -> bool:
+    """QEMU >= 8 emulates an 82576 SR-IOV PF (``-device igb``); setup installs one."""
+    try:
+        p = subprocess.run(
+            ["qemu-system-x86_64", "-device", "help"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return '"igb"' in p.stdout
+
+
+# A q35 machine with one igb PF behind a PCIe root port, always present when QEMU has
+# it, so the SR-IOV tests share the session's one boot. Its netdev is QEMU's user
+# network with restrict=on: the link is up (igb needs that for VF rate limits) and
+# nothing leaves the guest.
+IGB_ARGS = (
+    "-machine",
+    "q35",
+    "-device",
+    "pcie-root-port,id=rp0,chassis=1",
+    "-netdev",
+    "user,id=igbnet,restrict=on",
+    "-device",
+    "igb,netdev=igbnet,bus=rp0",
+)
+
+
 def qemu_argv(
     kernel: Kernel,
     shared: Path,
@@ -158,6 +187,7 @@ def qemu_argv(
         *fs("hostroot", Path("/"), True),
         *fs("modules", kernel.moddir, True),
         *fs("shared", shared, False),
+        *(IGB_ARGS if has_igb() else ()),
         *extra,
     ]
 

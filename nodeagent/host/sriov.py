@@ -1,0 +1,312 @@
+"""The VF guard's host side: read SR-IOV PFs and VFs, keep the snapshot file, carry out restores.
+
+- ``SriovObserver`` reads every PCI function with ``sriov_totalvfs`` under
+  ``sys/bus/pci/devices``: driver, netdev, ``sriov_numvfs``, and per
+  ``virtfnN`` the VF's PCI address, driver and host netdev; the per-VF
+  settings come through the PF (``SriovOps.vf_settings``, netlink), the host
+  netdevs' own settings from one link dump; and sriov-cni's cache
+  (``var/lib/cni/sriov``) says which pod sandbox each VF was attached to.
+- ``SriovStore`` keeps ``var/lib/nodeagent/sriov.json``: versioned, written
+  atomically and only when it changes, never replaced by an empty snapshot; a
+  corrupt or unknown-version file is moved aside and reported.
+- ``host/sriov_act.py`` carries out the guard's actions.
+
+Malformed sysfs values never raise: they become ``problems`` on the fact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from nodeagent.core.sriov_model import (
+    NETDEV_SIDE,
+    PF_SIDE,
+    VF_FIELDS,
+    CniAttachment,
+    PersistedSnapshot,
+    PfSnapshot,
+    SavedPf,
+    SriovObservation,
+    SriovValueError,
+    VfSnapshot,
+    snapshot_from_json,
+    snapshot_to_json,
+)
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.netlink import SriovOps
+
+PCI_DEVICES = "sys/bus/pci/devices"
+SNAPSHOT_REL = "var/lib/nodeagent/sriov.json"
+CNI_CACHE_REL = "var/lib/cni/sriov"
+
+
+class Sysfs:
+    """Fast sysfs reads under the host root (127 VFs are read on every pass).
+
+    Relative paths built from sysfs names (never from input): joined as strings,
+    without the per-call path parsing of ``HostRoot.path``.
+    """
+
+    def __init__(self, host: HostRoot) -> None:
+        self.root = str(host.root).rstrip("/") or ""
+
+    def link_name(self, rel: str) -> str | None:
+        """The last component of a symlink's target (``driver`` -> ``mlx5_core``)."""
+        try:
+            return os.path.basename(os.readlink(f"{self.root}/{rel}"))
+        except OSError:
+            return None
+
+    def listdir(self, rel: str) -> list[str]:
+        try:
+            return sorted(os.listdir(f"{self.root}/{rel}"))
+        except OSError:
+            return []
+
+    def ident(self, rel: str) -> int | None:
+        """The inode of a sysfs directory: a device destroyed and created again gets another."""
+        try:
+            return os.stat(f"{self.root}/{rel}").st_ino
+        except OSError:
+            return None
+
+    def first_netdev(self, dev: str) -> str | None:
+        names = self.listdir(f"{dev}/net")
+        return names[0] if names else None
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(f"{self.root}/{rel}")
+
+    def read_count(self, rel: str, problems: list[str]) -> int | None:
+        try:
+            fd = os.open(f"{self.root}/{rel}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            problems.append(f"{rel} unreadable: {exc.strerror}")
+            return None
+        try:
+            raw = os.read(fd, 64).decode("ascii", errors="replace").strip()
+        except OSError as exc:
+            problems.append(f"{rel} unreadable: {exc.strerror}")
+            return None
+        finally:
+            os.close(fd)
+        if not raw.isdigit():
+            problems.append(f"{rel} is {raw[:20]!r}, not a count")
+            return None
+        return int(raw)
+
+
+def _clean(
+    settings: Mapping[str, Any], sides: tuple[str, ...], where: str
+) -> tuple[dict[str, Any], list[str]]:
+    out: dict[str, Any] = {}
+    problems = []
+    for name in sides:
+        if name not in settings:
+            continue
+        try:
+            out[name] = VF_FIELDS[name].check(settings[name])
+        except SriovValueError as exc:
+            problems.append(f"{where}: {name}: {exc}")
+    return out, problems
+
+
+class SriovObserver:
+    def __init__(
+        self,
+        host: HostRoot,
+        ops: SriovOps | None,
+        store: SriovStore,
+        cni_cache: str = CNI_CACHE_REL,
+    ) -> None:
+        self.host = host
+        self.sys = Sysfs(host)
+        self.ops = ops
+        self.store = store
+        self.cni_cache = cni_cache
+
+    def read(self) -> tuple[SriovObservation, list[str]]:
+        """The observer's ``Readers.sriov``: the facts, and node-wide problems (none here)."""
+        return self.observe(), []
+
+    def observe(self) -> SriovObservation:
+        problems: list[str] = []
+        pfs: dict[str, PfSnapshot] = {}
+        links: dict[str, dict[str, Any]] | None = None
+        for pci in self.sys.listdir(PCI_DEVICES):
+            dev = f"{PCI_DEVICES}/{pci}"
+            if not self.sys.exists(f"{dev}/sriov_totalvfs"):
+                continue
+            if links is None:
+                links = self._links(problems)
+            pfs[pci] = self.read_pf(pci, links)
+        return SriovObservation(
+            pfs=MappingProxyType(pfs),
+            attachments=self.read_cni_cache(problems) if pfs else (),
+            persisted=self.store.load(),
+            problems=tuple(problems),
+        )
+
+    def _links(self, problems: list[str]) -> dict[str, dict[str, Any]]:
+        if self.ops is None:
+            return {}
+        try:
+            return self.ops.links()
+        except OSError as exc:
+            problems.append(f"netlink link dump failed: {exc.strerror or exc}")
+            return {}
+
+    def read_pf(self, pci: str, links: Mapping[str, Mapping[str, Any]]) -> PfSnapshot:
+        sysfs = self.sys
+        dev = f"{PCI_DEVICES}/{pci}"
+        problems: list[str] = []
+        driver = sysfs.link_name(f"{dev}/driver")
+        netdev = sysfs.first_netdev(dev) if driver else None
+        numvfs = sysfs.read_count(f"{dev}/sriov_numvfs", problems)
+        totalvfs = sysfs.read_count(f"{dev}/sriov_totalvfs", problems)
+        vf_settings: dict[int, dict[str, Any]] = {}
+        if netdev is not None and self.ops is not None:
+            try:
+                vf_settings = self.ops.vf_settings(netdev)
+            except OSError as exc:
+                problems.append(f"VF settings of {netdev} unreadable: {exc.strerror or exc}")
+        elif netdev is not None:
+            problems.append("no netlink: VF settings not read")
+        indexes = sorted(
+            int(n[len("virtfn") :])
+            for n in sysfs.listdir(dev)
+            if n.startswith("virtfn") and n[len("virtfn") :].isdigit()
+        )
+        vfs = []
+        for i in indexes:
+            vf_pci = sysfs.link_name(f"{dev}/virtfn{i}")
+            vdev = f"{PCI_DEVICES}/{vf_pci}" if vf_pci else None
+            vf_driver = sysfs.link_name(f"{vdev}/driver") if vdev else None
+            vf_netdev = sysfs.first_netdev(vdev) if vdev else None
+            where = f"VF {i}"
+            settings, bad = _clean(vf_settings.get(i, {}), PF_SIDE, where)
+            if vf_netdev is not None and vf_netdev in links:
+                link, bad2 = _clean(links[vf_netdev], NETDEV_SIDE, where)
+                settings.update(link)
+                bad += bad2
+            vfs.append(
+                VfSnapshot(
+                    index=i,
+                    pci=vf_pci,
+                    driver=vf_driver,
+                    netdev=vf_netdev,
+                    settings=MappingProxyType(settings),
+                    problems=tuple(bad),
+                    ident=sysfs.ident(vdev) if vdev else None,
+                )
+            )
+        return PfSnapshot(
+            pci=pci,
+            driver=driver,
+            netdev=netdev,
+            numvfs=numvfs,
+            totalvfs=totalvfs,
+            vfs=tuple(vfs),
+            problems=tuple(problems),
+        )
+
+    def read_cni_cache(self, problems: list[str]) -> tuple[CniAttachment, ...]:
+        """sriov-cni's ``<container>-<ifname>`` files: the NetConf it saved at attach time."""
+        out = []
+        for name in self.host.listdir(self.cni_cache):
+            rel = f"{self.cni_cache}/{name}"
+            try:
+                conf = json.loads(self.host.read_bytes(rel, 1 << 16))
+            except (OSError, ValueError, UnicodeDecodeError) as exc:
+                problems.append(f"{rel}: unreadable sriov-cni cache entry ({exc})")
+                continue
+            if not isinstance(conf, dict) or not isinstance(conf.get("deviceID"), str):
+                problems.append(f"{rel}: sriov-cni cache entry without a deviceID")
+                continue
+            container, _, ifname = name.rpartition("-")
+            out.append(
+                CniAttachment(
+                    vf_pci=conf["deviceID"],
+                    container=container or name,
+                    network=str(conf.get("name") or "?"),
+                    pod_ifname=str(conf.get("ContIFNames") or ifname),
+                )
+            )
+        return tuple(out)
+
+
+class SriovStore:
+    """``var/lib/nodeagent/sriov.json`` (see the module doc)."""
+
+    def __init__(self, host: HostRoot, rel: str = SNAPSHOT_REL, *, read_only: bool = False) -> None:
+        self.host = host
+        self.rel = rel
+        self.read_only = read_only
+        self._read_ident: Any = None
+        self._loaded = PersistedSnapshot()
+        self._written: bytes | None = None
+        self._saved_pfs: dict[str, SavedPf] = {}  # what was last written, by identity
+        self.reports: list[str] = []  # set-aside reports not yet taken by the agent
+
+    def load(self) -> PersistedSnapshot:
+        """The file's content, re-read only when the file changed; a bad file is moved aside."""
+        fact = self.host.file_fact(self.rel)
+        ident = (fact.present, fact.ident, fact.problem)
+        if ident == self._read_ident:
+            return self._loaded
+        self._read_ident = ident
+        if not fact.present:
+            problem = (
+                self._set_aside(f"is not a regular file ({fact.problem})") if fact.problem else None
+            )
+            self._loaded = PersistedSnapshot(problem=problem)
+            return self._loaded
+        try:
+            data = self.host.read_bytes(self.rel, 1 << 24)
+            pfs = snapshot_from_json(json.loads(data))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:  # SriovValueError is a ValueError
+            self._loaded = PersistedSnapshot(problem=self._set_aside(f"is corrupt: {exc}"))
+            return self._loaded
+        self._written = data
+        self._loaded = PersistedSnapshot(pfs=MappingProxyType(pfs))
+        return self._loaded
+
+    def _set_aside(self, why: str) -> str:
+        if self.read_only:
+            return f"{self.rel} {why}"
+        src = self.host.path(self.rel)
+        dst = src.with_name(f"{src.name}.corrupt")
+        try:
+            os.replace(src, dst)
+            where = f"moved to {dst.name}"
+        except OSError as exc:
+            where = f"could not move it aside: {exc.strerror}"
+        self._read_ident = None
+        msg = f"{self.rel} {why}; {where}; the snapshot starts from what the node shows"
+        self.reports.append(msg)
+        return msg
+
+    def save(self, pfs: Mapping[str, SavedPf]) -> bool:
+        """Write the snapshot if it changed; an empty one never replaces a file. True if written."""
+        if not pfs:
+            return False
+        if pfs.keys() == self._saved_pfs.keys() and all(pfs[k] is self._saved_pfs[k] for k in pfs):
+            return False  # the guard's values are immutable: the same objects, the same file
+        data = (json.dumps(snapshot_to_json(pfs), indent=1, sort_keys=True) + "\n").encode()
+        if data == self._written:
+            self._saved_pfs = dict(pfs)
+            return False
+        self.host.write_atomic(self.rel, data)
+        self._written = data
+        self._saved_pfs = dict(pfs)
+        self._read_ident = None
+        return True
+
+
+__all__ = ["PCI_DEVICES", "SriovObserver", "SriovStore"]

@@ -1,0 +1,417 @@
+"""The VF guard, pure: phases, per-VF restore, numvfs ownership, bad input, and a property."""
+
+from __future__ import annotations
+
+import json
+from types import MappingProxyType
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.core.actions import RestoreVf, SetNumVfs
+from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.core.sriov import SriovGuard, SriovMemory, SriovPolicy
+from nodeagent.core.sriov_model import (
+    PersistedSnapshot,
+    SriovValueError,
+    saved_pf_from_json,
+    snapshot_from_json,
+    snapshot_to_json,
+)
+from tests.sriov_world import PF_PCI, World, wanted
+
+POLICY = SriovPolicy(numvfs_grace_s=30, vf_deadline_s=60, poll_s=2, retry_base_s=0.5)
+
+
+class Run:
+    """Drive the guard over a World: a pass decides, actions are performed and absorbed."""
+
+    def __init__(self, world: World, policy: SriovPolicy = POLICY) -> None:
+        self.world = world
+        self.guard = SriovGuard(policy)
+        self.memory = self.guard.initial_memory()
+        self.events: list[str] = []
+        self.actions: list[object] = []
+        self.wake_at: float | None = None
+        self.snap: NodeSnapshot | None = None
+
+    def step(self, now: float) -> None:
+        self.snap = self.world.observe(now)
+        d = self.guard.decide(self.snap, self.memory)
+        self.memory = d.memory
+        self.events += d.events
+        self.wake_at = d.wake_at
+        for a in d.actions:
+            self.actions.append(a)
+            self.memory = self.guard.absorb(self.memory, self.world.perform(a), now)
+
+    def phase(self) -> str:
+        return self.memory.pfs[PF_PCI].phase
+
+    def verdict(self) -> dict[str, object]:
+        assert self.snap is not None
+        v = self.guard.verdict(self.snap, self.memory)
+        return {"verdict": v.verdict, "ok": v.ok, "reasons": v.reasons, **v.evidence}
+
+
+def stable_then_unloaded(n: int = 4, policy: SriovPolicy = POLICY) -> Run:
+    run = Run(World(n).configured(), policy)
+    run.step(0.0)
+    assert run.phase() == "stable"
+    run.world.unload()
+    run.step(1.0)
+    assert run.phase() == "disrupted"
+    return run
+
+
+def test_snapshot_is_taken_only_while_mofed_is_ready() -> None:
+    world = World(2).configured()
+    world.mofed_ready = False
+    run = Run(world)
+    run.step(0.0)
+    assert PF_PCI not in run.memory.pfs
+    world.mofed_ready = True
+    run.step(1.0)
+    saved = run.memory.pfs[PF_PCI].saved
+    assert saved.numvfs == 2 and saved.vf(1) is not None
+    assert saved.vf(1).settings["vlan"] == 101  # type: ignore[union-attr]
+
+
+def test_owner_change_while_stable_updates_the_snapshot() -> None:
+    run = Run(World(2).configured())
+    run.step(0.0)
+    run.world.vfs[1].settings["mtu"] = 1800
+    run.step(1.0)
+    assert run.memory.pfs[PF_PCI].saved.vf(1).settings["mtu"] == 1800  # type: ignore[union-attr]
+    assert any("changed by its owner" in e and "VF 1: mtu" in e for e in run.events)
+    assert not run.actions
+
+
+def test_disruption_freezes_the_snapshot_and_restores_each_vf_as_it_appears() -> None:
+    run = stable_then_unloaded(4)
+    assert "driver mlx5_core unbound" in run.memory.pfs[PF_PCI].why
+    run.world.reload()
+    run.step(2.0)
+    assert run.phase() == "restoring"
+    assert not run.actions  # no netdev yet: nothing to write
+    run.world.netdev_appears(2)
+    run.step(2.5)
+    assert [a.index for a in run.actions if isinstance(a, RestoreVf)] == [2]
+    assert run.verdict()["pfs"][PF_PCI]["restoring"] == "1/4"  # type: ignore[index]
+    for i in (0, 3, 1):
+        run.world.netdev_appears(i)
+        run.step(3.0 + i)
+    run.step(10.0)
+    assert run.phase() == "restored"
+    assert run.world.writes == {0: 1, 1: 1, 2: 1, 3: 1}
+    for i in range(4):
+        assert all(run.world.vfs[i].settings[k] == v for k, v in wanted(i).items())
+    assert any("VF 2 (0000:01:00.5) restored" in e for e in run.events)
+    assert run.verdict()["verdict"] == "restored" and run.verdict()["ok"] is True
+
+
+def test_vfs_destroyed_and_created_again_between_two_passes_are_a_disruption() -> None:
+    """numvfs 0 and back faster than a pass: same count, new devices, blank config."""
+    run = Run(World(3).configured())
+    run.step(0.0)
+    run.world.reload()  # new VF devices (new identities), no netdevs, default config
+    run.step(1.0)
+    assert run.phase() == "restoring"
+    assert "3 VFs destroyed and created again" in run.memory.pfs[PF_PCI].why
+    assert run.memory.pfs[PF_PCI].saved.vf(0).settings["vlan"] == 100  # type: ignore[union-attr]
+    for i in range(3):
+        run.world.netdev_appears(i)
+    run.step(2.0)
+    run.step(2.0)
+    assert run.phase() == "restored" and run.world.writes == {0: 1, 1: 1, 2: 1}
+    run.step(3.0)  # the restored devices are the snapshot's devices now: no new disruption
+    assert run.phase() == "restored"
+
+
+def test_a_restored_vf_whose_device_is_recreated_mid_restore_is_restored_again() -> None:
+    run = stable_then_unloaded(2)
+    run.world.reload()
+    run.world.netdev_appears(0)
+    run.step(2.0)
+    assert run.memory.pfs[PF_PCI].restores[0].status == "restored"
+    run.world.vfs[0] = type(run.world.vfs[0])(0)  # VF 0 destroyed and created again, blank
+    run.step(2.5)
+    assert run.memory.pfs[PF_PCI].restores[0].status == "waiting"
+    run.world.netdev_appears(0)
+    run.world.netdev_appears(1)
+    run.step(3.0)
+    run.step(3.0)
+    assert run.phase() == "restored"
+    assert run.world.writes == {0: 2, 1: 1}
+
+
+def test_config_that_already_matches_is_not_rewritten() -> None:
+    """MOFED (or anyone) got there first: the guard reads, sees a match, writes nothing."""
+    run = stable_then_unloaded(3)
+    run.world.reload()
+    for i in range(3):
+        run.world.netdev_appears(i)
+        run.world.vfs[i].settings.update(wanted(i))
+    run.step(5.0)
+    run.step(6.0)
+    assert run.phase() == "restored"
+    assert run.actions == []
+    assert any("already matched" in e for e in run.events)
+
+
+def test_a_vf_that_never_appears_is_reported_alone_and_blocks_no_other() -> None:
+    run = stable_then_unloaded(4)
+    run.world.reload()
+    run.step(2.0)
+    for i in (0, 1, 3):
+        run.world.netdev_appears(i)
+    run.step(3.0)
+    assert run.phase() == "restoring"
+    assert run.wake_at is not None and run.wake_at <= 2.0 + 60
+    run.step(62.5)
+    assert run.phase() == "degraded"
+    v = run.verdict()
+    assert v["verdict"] == "degraded" and v["ok"] is False
+    assert v["reasons"] == (
+        f"PF {PF_PCI} VF 2 (0000:01:00.5): its netdev did not appear within 60 s",
+    )
+    assert run.world.writes == {0: 1, 1: 1, 3: 1}
+    # It shows up late: it gets its config back and the PF is whole again.
+    run.world.netdev_appears(2)
+    run.step(70.0)
+    run.step(71.0)
+    assert run.phase() == "restored"
+    assert run.world.writes[2] == 1
+
+
+def test_failed_restore_backs_off_and_retries() -> None:
+    run = stable_then_unloaded(2)
+    run.world.reload()
+    run.world.fail_next[0] = 2
+    run.world.netdev_appears(0)
+    run.world.netdev_appears(1)
+    run.step(2.0)
+    r0 = run.memory.pfs[PF_PCI].restores[0]
+    assert r0.attempts == 1 and r0.next_try == 2.5 and "EIO" in (r0.error or "")
+    run.step(2.2)  # before the backoff: nothing new for VF 0
+    assert sum(1 for a in run.actions if isinstance(a, RestoreVf) and a.index == 0) == 1
+    run.step(2.5)
+    assert run.memory.pfs[PF_PCI].restores[0].next_try == 3.5  # 0.5 s, then 1 s
+    run.step(3.5)
+    run.step(3.6)
+    assert run.phase() == "restored"
+
+
+def test_eopnotsupp_is_recorded_once_and_not_retried() -> None:
+    run = stable_then_unloaded(2)
+    run.world.unsupported = {"link_state"}
+    run.world.reload()
+    run.world.netdev_appears(0)
+    run.world.netdev_appears(1)
+    run.step(2.0)
+    run.step(3.0)
+    run.step(4.0)
+    mem = run.memory.pfs[PF_PCI]
+    assert mem.unsupported == ("link_state",)
+    assert run.phase() == "restored"
+    assert run.world.writes == {0: 1, 1: 1}
+    assert run.verdict()["pfs"][PF_PCI]["unsupported_fields"] == ["link_state"]  # type: ignore[index]
+
+
+def test_numvfs_is_set_after_the_grace_period_when_the_agent_owns_it() -> None:
+    run = stable_then_unloaded(3)
+    run.world.reload(numvfs=0)
+    run.step(2.0)
+    assert run.phase() == "restoring" and not run.actions
+    assert run.wake_at is not None and run.wake_at <= 32.0
+    run.step(32.0)
+    assert [a for a in run.actions if isinstance(a, SetNumVfs)] == [
+        SetNumVfs("sriov", PF_PCI, 3, False, run.actions[0].reason)  # type: ignore[attr-defined]
+    ]
+    assert run.world.numvfs == 3
+
+
+def test_numvfs_lower_than_the_snapshot_goes_through_zero() -> None:
+    run = stable_then_unloaded(3)
+    run.world.reload(numvfs=1)
+    run.step(2.0)
+    run.step(40.0)
+    sets = [a for a in run.actions if isinstance(a, SetNumVfs)]
+    assert sets and sets[0].through_zero and sets[0].numvfs == 3
+
+
+@pytest.mark.parametrize("owner", ["sriov-operator", "mofed"])
+def test_numvfs_owned_by_another_party_is_never_written(owner: str) -> None:
+    policy = SriovPolicy(numvfs_owner=owner, numvfs_grace_s=30, vf_deadline_s=60)
+    run = stable_then_unloaded(3, policy)
+    run.world.reload(numvfs=0)
+    for t in (2.0, 40.0, 61.0, 63.0):
+        run.step(t)
+    assert not [a for a in run.actions if isinstance(a, SetNumVfs)]
+    assert run.phase() == "degraded"  # and it says so, per VF
+
+
+def test_pf_that_vanished_for_good_is_degraded() -> None:
+    run = Run(World(2).configured(), SriovPolicy(pf_gone_s=100))
+    run.step(0.0)
+    run.world.observe = lambda now: _without_pf(World.observe(run.world, now))  # type: ignore[method-assign]
+    run.step(1.0)
+    assert run.phase() == "disrupted"
+    run.step(50.0)
+    assert run.phase() == "disrupted"
+    run.step(101.0)
+    assert run.phase() == "degraded"
+    assert "vanished" in run.verdict()["reasons"][0]  # type: ignore[index]
+
+
+def _without_pf(snap: NodeSnapshot) -> NodeSnapshot:
+    from dataclasses import replace
+
+    return replace(snap, sriov=replace(snap.sriov, pfs=MappingProxyType({})))
+
+
+def test_vf_index_past_totalvfs_fails_on_its_own() -> None:
+    run = stable_then_unloaded(3)
+    run.world.reload()
+    run.world.totalvfs = 2
+    for i in range(3):
+        run.world.netdev_appears(i)
+    run.step(2.0)
+    run.step(3.0)
+    assert run.phase() == "degraded"
+    assert run.verdict()["reasons"] == (
+        f"PF {PF_PCI} VF 2 (0000:01:00.5): VF index 2 is past sriov_totalvfs 2",
+    )
+    assert run.world.writes == {0: 1, 1: 1}
+
+
+def test_memory_round_trips_through_json() -> None:
+    run = stable_then_unloaded(3)
+    run.world.reload()
+    run.world.netdev_appears(1)
+    run.step(2.0)
+    doc = json.loads(json.dumps(run.guard.memory_to_json(run.memory)))
+    back = run.guard.memory_from_json(doc)
+    assert run.guard.memory_to_json(back) == doc
+    with pytest.raises(ValueError, match="phase 'exploded'"):
+        bad = json.loads(json.dumps(doc))
+        bad["pfs"][PF_PCI]["phase"] = "exploded"
+        run.guard.memory_from_json(bad)
+
+
+def test_persisted_snapshot_is_adopted_when_memory_is_lost() -> None:
+    run = stable_then_unloaded(2)
+    persisted = snapshot_from_json(
+        json.loads(json.dumps(snapshot_to_json({PF_PCI: run.memory.pfs[PF_PCI].saved})))
+    )
+    fresh = Run(run.world)
+    fresh.world.reload()
+    snap = fresh.world.observe(5.0)
+    from dataclasses import replace
+
+    snap = replace(snap, sriov=replace(snap.sriov, persisted=PersistedSnapshot(persisted)))
+    d = fresh.guard.decide(snap, SriovMemory())
+    assert d.memory.pfs[PF_PCI].phase == "restoring"
+    assert any("adopted the persisted snapshot" in e for e in d.events)
+
+
+# -- bad input in the persisted snapshot ------------------------------------------------------
+
+
+def _doc() -> dict[str, object]:
+    run = Run(World(2).configured())
+    run.step(0.0)
+    return json.loads(json.dumps(snapshot_to_json({PF_PCI: run.memory.pfs[PF_PCI].saved})))
+
+
+def test_snapshot_with_unknown_schema_version_is_refused() -> None:
+    doc = _doc()
+    doc["version"] = 99
+    with pytest.raises(SriovValueError, match="schema version 99 is not 1"):
+        snapshot_from_json(doc)
+
+
+def test_snapshot_with_a_mac_that_does_not_parse_names_it() -> None:
+    doc = _doc()
+    doc["pfs"][0]["vfs"][1]["settings"]["mac"] = "02:00:zz:00:00:01"  # type: ignore[index]
+    with pytest.raises(SriovValueError) as exc:
+        snapshot_from_json(doc)
+    assert str(exc.value) == (
+        "pfs[0].vfs[1].settings: mac: '02:00:zz:00:00:01' is not a MAC address (xx:xx:xx:xx:xx:xx)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("vfs", 0, "settings", "vlan"), 5000, "vlan: 5000 is not an integer in 0..4095"),
+        (("vfs", 0, "settings", "link_state"), "up", "link_state: 'up' is not one of"),
+        (("vfs", 0, "settings", "colour"), 1, "unknown VF setting 'colour'"),
+        (("vfs", 1, "index"), 0, "VF 0 appears twice"),
+        (("pci",), "01:00.0", "'01:00.0' is not a PCI address"),
+        (("numvfs",), -1, "numvfs is -1, not a count"),
+    ],
+)
+def test_snapshot_bad_values(path: tuple[object, ...], value: object, message: str) -> None:
+    doc = _doc()
+    target = doc["pfs"][0]  # type: ignore[index]
+    for key in path[:-1]:
+        target = target[key]  # type: ignore[index]
+    target[path[-1]] = value  # type: ignore[index]
+    with pytest.raises(SriovValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        saved_pf_from_json(doc["pfs"][0], "pfs[0]")  # type: ignore[index]
+
+
+# -- the property ------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(min_value=1, max_value=12).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(st.floats(0.0, 90.0), min_size=n, max_size=n),
+            st.sets(st.integers(0, n - 1), max_size=n),
+            st.sampled_from(["agent", "mofed"]),
+        )
+    )
+)
+def test_any_appearance_order_restores_each_vf_that_appears_in_time_exactly_once(
+    case: tuple[int, list[float], set[int], str],
+) -> None:
+    """For any order and timing of netdev appearances, every VF whose netdev appears ends
+    restored, written once (one after its deadline too, when it shows up); the VFs that never
+    appear are reported, alone."""
+    n, times, never, _owner = case
+    run = stable_then_unloaded(n, POLICY)
+    run.world.reload()
+    back = 2.0
+    run.step(back)
+    deadline = back + POLICY.vf_deadline_s
+    schedule = sorted((t + back, i) for i, t in enumerate(times) if i not in never)
+    now = back
+    for t, i in schedule:
+        # passes the guard asked for (timers) before this appearance
+        while run.wake_at is not None and run.wake_at < t:
+            now = run.wake_at
+            run.step(now)
+        run.world.netdev_appears(i)
+        now = t
+        run.step(now)
+    while run.wake_at is not None and run.phase() == "restoring":
+        now = max(now, run.wake_at)
+        run.step(now)
+    appeared = {i for _t, i in schedule}
+    late = {i for t, i in schedule if t >= deadline}
+    restores = run.memory.pfs[PF_PCI].restores
+    for i in range(n):
+        if i in appeared:
+            assert restores[i].status == "restored", (i, restores[i])
+            assert run.world.writes.get(i) == 1
+            assert all(run.world.vfs[i].settings[k] == v for k, v in wanted(i).items())
+        else:
+            assert restores[i].status == "failed"
+            assert run.world.writes.get(i, 0) == 0
+    assert run.phase() == ("restored" if appeared == set(range(n)) else "degraded")
+    assert late <= appeared

@@ -1,0 +1,248 @@
+"""The VF guard's host side on the simulated kernel: observe, restore, numvfs, the snapshot file."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.core.actions import RestoreVf, SetNumVfs
+from nodeagent.core.sriov_model import SNAPSHOT_VERSION
+from nodeagent.host.act import Actuator
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.netlink import parse_vfinfo
+from nodeagent.host.sriov import SriovObserver, SriovStore
+from nodeagent.sim.kernel import PF_FIELDS, SimKernel
+from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
+from nodeagent.sim.netlink import SimSriovOps
+
+KVER = "6.1.0-sim"
+PF, PF_PCI = "enp1s0f0", "0000:01:00.0"
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> SimKernel:
+    k = SimKernel(tmp_path, KVER)
+    d = tmp_path / "lib/modules" / KVER
+    install_generation(d, KVER, Generation("g", "MOFED", "25.07"), RDMA_MODULES)
+    depmod(d)
+    k.add_pf(PF, PF_PCI, totalvfs=8, vf_delay=lambda i: 0.1)
+    k.probe("mlx5_core", str(d))
+    k.sched.run(k.sched.now() + 2)
+    k.write_sriov_numvfs(PF, 4)
+    k.sched.run(k.sched.now() + 5)
+    return k
+
+
+def observer(k: SimKernel, ops: SimSriovOps | None = None) -> SriovObserver:
+    host = HostRoot(k.root)
+    return SriovObserver(host, ops or SimSriovOps(k), SriovStore(host))
+
+
+def test_observer_reads_every_vf_through_the_pf_wherever_its_netdev_is(kernel: SimKernel) -> None:
+    kernel.set_vf(PF, 1, vlan=7, trust=True)
+    kernel.set_link(f"{PF}v1", mtu=9000, admin_up=True)
+    kernel.move_vf_to_netns(PF, 2, "cni-1234", "net1")
+    kernel.bind_vf(PF, 3, "vfio-pci")
+    cache = kernel.root / "var/lib/cni/sriov"
+    cache.mkdir(parents=True)
+    pod_vf = kernel.pfs[PF].vfs[2].pci
+    (cache / "abcdef0123456789-net1").write_text(
+        json.dumps({"name": "rdma-net", "deviceID": pod_vf, "ContIFNames": "net1"})
+    )
+    (cache / "broken-net2").write_text("{not json")
+    obs = observer(kernel).observe()
+    pf = obs.pfs[PF_PCI]
+    assert (pf.driver, pf.netdev, pf.numvfs, pf.totalvfs) == ("mlx5_core", PF, 4, 8)
+    v1, v2, v3 = pf.vf(1), pf.vf(2), pf.vf(3)
+    assert v1 is not None and v2 is not None and v3 is not None
+    assert (v1.pci, v1.driver, v1.netdev) == ("0000:01:00.4", "mlx5_core", f"{PF}v1")
+    assert v1.settings["vlan"] == 7 and v1.settings["trust"] is True
+    assert v1.settings["mtu"] == 9000 and v1.settings["admin_up"] is True
+    assert (v2.netdev, v2.driver) == (None, "mlx5_core")  # in the pod's netns
+    assert set(v2.settings) == set(PF_FIELDS)  # read through the PF all the same
+    assert (v3.netdev, v3.driver) == (None, "vfio-pci")
+    assert [(a.vf_pci, a.network, a.pod_ifname) for a in obs.attachments] == [
+        (pod_vf, "rdma-net", "net1")
+    ]
+    assert any("broken-net2" in p for p in obs.problems)
+
+
+def test_malformed_sysfs_values_are_problems_not_crashes(kernel: SimKernel) -> None:
+    dev = kernel.root / kernel.PCI_PARENT / PF_PCI
+    (dev / "sriov_numvfs").write_text("four\n")
+    pf = observer(kernel).observe().pfs[PF_PCI]
+    assert pf.numvfs is None
+    assert pf.problems == (f"sys/bus/pci/devices/{PF_PCI}/sriov_numvfs is 'four', not a count",)
+
+
+def actuator(k: SimKernel, ops: SimSriovOps) -> Actuator:
+    """The agent's own actuator: the executor table sends VF actions to the SR-IOV executor."""
+    return Actuator(HostRoot(k.root), k, k.kernel_messages, sriov_ops=ops)
+
+
+def restore_action(k: SimKernel, index: int, **want: Any) -> RestoreVf:
+    vf = k.pfs[PF].vfs[index]
+    pf_side = {f: v for f, v in want.items() if f in PF_FIELDS}
+    link = {f: v for f, v in want.items() if f not in PF_FIELDS}
+    return RestoreVf(
+        "sriov", PF_PCI, index, vf.pci, tuple(sorted(pf_side.items())), tuple(link.items()), "test"
+    )
+
+
+def test_restore_writes_only_what_differs_and_reads_it_back(kernel: SimKernel) -> None:
+    ops = SimSriovOps(kernel)
+    act = actuator(kernel, ops)
+    kernel.set_vf(PF, 0, vlan=5)  # already right
+    action = restore_action(
+        kernel, 0, mac="02:00:00:00:00:09", vlan=5, qos=2, trust=True, mtu=9000, admin_up=True
+    )
+    out = act.perform(action)
+    assert out.ok, out.error
+    assert dict(out.detail) == {
+        "mac": "written",
+        "qos": "written",
+        "vlan": "written",  # vlan and qos are one netlink attribute: written together
+        "trust": "written",
+        "mtu": "written",
+        "admin_up": "written",
+    }
+    cfg = kernel.vf_configs(PF)[0]
+    assert (cfg.mac, cfg.vlan, cfg.qos, cfg.trust, cfg.mtu, cfg.admin_up) == (
+        "02:00:00:00:00:09",
+        5,
+        2,
+        True,
+        9000,
+        True,
+    )
+    ops.calls.clear()
+    again = act.perform(action)
+    assert again.ok and again.detail == () and ops.calls == []  # matches: nothing rewritten
+
+
+def test_eopnotsupp_names_the_field_and_the_rest_is_restored(kernel: SimKernel) -> None:
+    ops = SimSriovOps(kernel, unsupported=frozenset({"link_state"}))
+    out = actuator(kernel, ops).perform(
+        restore_action(kernel, 1, link_state="enable", spoofchk=False)
+    )
+    assert out.ok
+    assert dict(out.detail) == {"link_state": "unsupported", "spoofchk": "written"}
+
+
+def test_a_vf_whose_netdev_is_missing_fails_on_its_own(kernel: SimKernel) -> None:
+    kernel.bind_vf(PF, 2, "vfio-pci")
+    out = actuator(kernel, SimSriovOps(kernel)).perform(restore_action(kernel, 2, vlan=9, mtu=9000))
+    assert not out.ok
+    assert out.error == "VF 2 has no netdev for mtu"
+    assert dict(out.detail)["vlan"] == "written"
+
+
+def test_numvfs_goes_through_zero(kernel: SimKernel) -> None:
+    act = actuator(kernel, SimSriovOps(kernel))
+    out = act.perform(SetNumVfs("sriov", PF_PCI, 6, True, "test"))
+    assert out.ok and len(kernel.pfs[PF].vfs) == 6
+    refused = act.perform(SetNumVfs("sriov", PF_PCI, 7, False, "test"))  # 6 -> 7 directly
+    assert not refused.ok and refused.errno == errno.EBUSY
+
+
+# -- the snapshot file -----------------------------------------------------------------------
+
+
+def saved_pfs(k: SimKernel) -> dict[str, Any]:
+    from nodeagent.core.sriov_model import saved_from_observed
+
+    obs = observer(k).observe()
+    return {PF_PCI: saved_from_observed(obs.pfs[PF_PCI], obs.attachments, 1.0)}
+
+
+def test_store_writes_only_on_change_and_never_an_empty_snapshot(kernel: SimKernel) -> None:
+    store = SriovStore(HostRoot(kernel.root))
+    path = kernel.root / "var/lib/nodeagent/sriov.json"
+    pfs = saved_pfs(kernel)
+    assert store.save(pfs) is True
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "nodeagent-sriov" and doc["version"] == SNAPSHOT_VERSION
+    mtime = path.stat().st_mtime_ns
+    assert store.save(pfs) is False and store.save(dict(pfs)) is False
+    assert store.save({}) is False  # never replaces a snapshot with nothing
+    assert path.stat().st_mtime_ns == mtime
+    assert store.load().pfs[PF_PCI] == pfs[PF_PCI]
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"{truncated", "is corrupt: "),
+        (b'{"schema": "nodeagent-sriov", "version": 7, "pfs": []}', "schema version 7 is not 1"),
+    ],
+)
+def test_bad_snapshot_file_is_moved_aside_and_reported(
+    kernel: SimKernel, content: bytes, why: str
+) -> None:
+    store = SriovStore(HostRoot(kernel.root))
+    path = kernel.root / "var/lib/nodeagent/sriov.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    loaded = store.load()
+    assert loaded.pfs == {} and loaded.problem is not None and why in loaded.problem
+    assert "moved to sriov.json.corrupt" in loaded.problem
+    assert (path.parent / "sriov.json.corrupt").read_bytes() == content  # kept, not lost
+    assert store.reports == [loaded.problem]
+    assert store.save(saved_pfs(kernel)) is True  # the node's snapshot goes in its place
+
+
+def test_snapshot_file_that_is_a_symlink_is_not_followed(kernel: SimKernel) -> None:
+    path = kernel.root / "var/lib/nodeagent/sriov.json"
+    path.parent.mkdir(parents=True)
+    target = kernel.root / "elsewhere.json"
+    target.write_text("{}")
+    os.symlink(target, path)
+    store = SriovStore(HostRoot(kernel.root))
+    loaded = store.load()
+    assert loaded.problem is not None and "symlink" in loaded.problem
+    assert target.read_text() == "{}"
+
+
+# -- pyroute2's decoded IFLA_VFINFO_LIST -----------------------------------------------------
+
+
+class _Nla:
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+
+    def get_attr(self, name: str) -> Any:
+        return self.attrs.get(name)
+
+    def get_attrs(self, name: str) -> list[Any]:
+        return self.attrs.get(name, [])
+
+
+def test_parse_vfinfo_maps_netlink_attributes_to_field_names() -> None:
+    info = _Nla(
+        {
+            "IFLA_VF_MAC": {"vf": 3, "mac": "02:AA:00:00:00:01"},
+            "IFLA_VF_VLAN": {"vf": 3, "vlan": 100, "qos": 2},
+            "IFLA_VF_RATE": {"vf": 3, "min_tx_rate": 0, "max_tx_rate": 500},
+            "IFLA_VF_SPOOFCHK": {"vf": 3, "spoofchk": 0},
+            "IFLA_VF_TRUST": {"vf": 3, "trust": 0xFFFFFFFF},  # the driver has no trust
+            "IFLA_VF_LINK_STATE": {"vf": 3, "link_state": 2},
+            "IFLA_VF_IB_NODE_GUID": {"vf": 3, "ib_node_guid": "00:00:00:00:00:00:00:00"},
+        }
+    )
+    assert parse_vfinfo(_Nla({"IFLA_VF_INFO": [info]})) == {
+        3: {
+            "mac": "02:aa:00:00:00:01",
+            "vlan": 100,
+            "qos": 2,
+            "min_tx_rate": 0,
+            "max_tx_rate": 500,
+            "spoofchk": False,
+            "link_state": "disable",
+        }
+    }
+    assert parse_vfinfo(None) == {}
