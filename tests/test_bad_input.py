@@ -277,4 +277,6 @@ def test_garbage_in_proc_locks_and_mountinfo_is_named_and_skipped(root: Path) ->
     assert mount.mount_point == "/mnt/a b" and "proto=rdma" in mount.options
     assert snap.locks[0].pid == 77  # the good line still counts: MOFED is pending
     d = build_reconciler(Config()).decide(snap, build_reconciler(Config()).initial_memory())
-    assert d.verdicts["storage"].verdict == "blocking"
+    storage = d.verdicts["storage"]  # the mount read past the garbage is a named user
+    assert storage.verdict == "in-use"
+    assert storage.reasons[0] == "rpcrdma is in use: NFS-over-RDMA mount /mnt/a b (srv:/x)"

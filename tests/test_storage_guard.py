@@ -169,6 +169,15 @@ def test_an_nvme_of_rdma_controller_is_named() -> None:
     )
 
 
+def test_a_controller_counts_even_when_the_module_has_no_reference() -> None:
+    # The kernel drops nvme_rdma's reference once a controller is made: refcnt 0.
+    ctrl = NvmeController("nvme1", "rdma", "nqn.2026-11.io.example:vol1")
+    snap = node(mod("nvme_fabrics", "nvme_rdma"), mod("nvme_rdma"), locked=True, nvme=(ctrl,))
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "in-use" and d.actions == ()
+    assert d.verdict.reasons[0].startswith("nvme_rdma is in use: NVMe-oF controller nvme1")
+
+
 def test_an_nvme_root_disk_keeps_nvme_nvme_core_and_nvme_fabrics() -> None:
     local = NvmeController("nvme0", "pcie", "nqn.2014.08.org.nvmexpress:root")
     snap = node(

@@ -343,13 +343,19 @@ class StorageGuard:
         return out
 
     def _users(self, snap: NodeSnapshot, tops: list[str]) -> dict[str, list[str]]:
-        """Non-module users of the chain's top modules, named where the node says who."""
+        """Non-module users of the chain's top modules, named where the node says who.
+
+        A named user counts even with no reference: the kernel lets ``nvme_rdma`` go
+        with a live controller (its exit deletes the controllers; fabrics drops the
+        module reference once the controller is made), so the refcount alone would
+        not stop the agent from cutting an NVMe-oF connection.
+        """
         users: dict[str, list[str]] = {}
         for name in tops:
             mod: LoadedModule = snap.modules[name]
-            if mod.outside_refs == 0:
-                continue
             named = list(_NAMERS.get(name, _nobody)(snap))
+            if mod.outside_refs == 0 and not named:
+                continue
             refs = f"refcnt {mod.refcnt}, module holders: {', '.join(mod.holders) or 'none'}"
             users[name] = named or [f"{refs}; used by something that is not a module"]
         return users

@@ -179,3 +179,93 @@ def test_a_real_user_is_refused_and_named(clean: set[str]) -> None:
         with contextlib.suppress(OSError):
             SUBSYS.rmdir()
     assert before <= _loaded()
+
+
+NQN = "nqn.2026-11.io.nodeagent:loopback"
+RXE_ADDR = "10.99.0.1"
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
+    clean: set[str],
+) -> None:
+    """Soft-RoCE (rdma_rxe) on a dummy netdev, an NVMe-oF target over nvmet_rdma and the
+    host connected to it over nvme_rdma: the agent refuses, naming the controller."""
+    require_tool("ip", "iproute2")
+    require_tool("rdma", "iproute2")
+    lk = LibKmod()
+    for name in ("dummy", "null_blk", "rdma_rxe", "nvmet_rdma", "nvme_rdma"):
+        lk.probe(name, _moddir())
+    subsys = Path("/sys/kernel/config/nvmet/subsystems") / NQN
+    port = Path("/sys/kernel/config/nvmet/ports/2")
+    ctrl: str | None = None
+    try:
+        for argv in (
+            ("ip", "link", "add", "na_dummy0", "type", "dummy"),
+            ("ip", "addr", "add", f"{RXE_ADDR}/24", "dev", "na_dummy0"),
+            ("ip", "link", "set", "na_dummy0", "up"),
+            ("rdma", "link", "add", "na_rxe0", "type", "rxe", "netdev", "na_dummy0"),
+        ):
+            p = _run(*argv)
+            assert p.returncode == 0, (argv, p.stderr)
+        subsys.mkdir()
+        (subsys / "attr_allow_any_host").write_text("1\n")
+        ns = subsys / "namespaces/1"
+        ns.mkdir()
+        (ns / "device_path").write_text("/dev/nullb0\n")  # null_blk's first device
+        (ns / "enable").write_text("1\n")
+        port.mkdir()
+        for attr, value in (
+            ("addr_trtype", "rdma"),
+            ("addr_adrfam", "ipv4"),
+            ("addr_traddr", RXE_ADDR),
+            ("addr_trsvcid", "4420"),
+        ):
+            (port / attr).write_text(value + "\n")
+        os.symlink(subsys, port / "subsystems" / NQN)
+        before_ctrls = (
+            set(os.listdir("/sys/class/nvme")) if Path("/sys/class/nvme").exists() else set()
+        )
+        fd = os.open("/dev/nvme-fabrics", os.O_RDWR)  # what `nvme connect` does
+        try:
+            os.write(fd, f"transport=rdma,traddr={RXE_ADDR},trsvcid=4420,nqn={NQN}".encode())
+            reply = os.read(fd, 4096).decode()
+        finally:
+            os.close(fd)
+        ctrl = next(iter(set(os.listdir("/sys/class/nvme")) - before_ctrls))
+        assert f"instance={ctrl.removeprefix('nvme')}" in reply, reply
+        assert Path(f"/sys/class/nvme/{ctrl}/transport").read_text().strip() == "rdma"
+        # The connection holds no reference on nvme_rdma (fabrics drops it once the
+        # controller exists): only the controller itself says the module is in use.
+        mods, _ = Observer(HostRoot("/"), Config()).read_loaded_modules()
+        assert mods["nvme_rdma"].refcnt == 0, mods["nvme_rdma"]
+
+        with mofed_pending():
+            result = _agent().run_pass(["test"])
+        verdict = result.verdicts["storage"]
+        assert verdict.verdict == "in-use" and not verdict.ok, verdict.reasons
+        assert any(
+            r.startswith(f"nvme_rdma is in use: NVMe-oF controller {ctrl} (subsystem {NQN})")
+            for r in verdict.reasons
+        ), verdict.reasons
+        assert result.outcomes == () and {"nvme_rdma", "nvmet_rdma"} <= _loaded()
+        assert Path(f"/sys/class/nvme/{ctrl}").exists()
+    finally:
+        if ctrl is not None:
+            with contextlib.suppress(OSError):
+                Path(f"/sys/class/nvme/{ctrl}/delete_controller").write_text("1\n")
+        with contextlib.suppress(OSError):
+            (port / "subsystems" / NQN).unlink()
+        with contextlib.suppress(OSError):
+            port.rmdir()
+        with contextlib.suppress(OSError):
+            (subsys / "namespaces/1/enable").write_text("0\n")
+        with contextlib.suppress(OSError):
+            (subsys / "namespaces/1").rmdir()
+        with contextlib.suppress(OSError):
+            subsys.rmdir()
+        _run("rdma", "link", "delete", "na_rxe0")
+        _run("ip", "link", "del", "na_dummy0")
