@@ -67,6 +67,7 @@ class WorldVf:
     netdev: str | None = None
     settings: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
     ident: int = field(default_factory=lambda: next(_IDENT))
+    netdev_ident: int | None = None  # the netdev's ifindex
 
 
 @dataclass
@@ -87,7 +88,8 @@ class World:
         """Every VF present with its wanted config (the stable node the snapshot is taken of)."""
         self.numvfs = self.n
         self.vfs = {
-            i: WorldVf(i, True, f"enp1s0f0v{i}", {**DEFAULTS, **wanted(i)}) for i in range(self.n)
+            i: WorldVf(i, True, f"enp1s0f0v{i}", {**DEFAULTS, **wanted(i)}, netdev_ident=100 + i)
+            for i in range(self.n)
         }
         return self
 
@@ -104,6 +106,16 @@ class World:
 
     def netdev_appears(self, i: int) -> None:
         self.vfs[i].netdev = f"enp1s0f0v{i}"
+        self.vfs[i].netdev_ident = next(_IDENT)
+
+    def rebind(self, i: int) -> None:
+        """The VF's driver unbound and bound again: same device, a new netdev, its defaults."""
+        v = self.vfs[i]
+        v.netdev = None
+        v.netdev_ident = None
+        for k in NETDEV_SIDE:
+            if k in DEFAULTS:
+                v.settings[k] = DEFAULTS[k]
 
     def observe(self, now: float) -> NodeSnapshot:
         vfs = []
@@ -120,6 +132,7 @@ class World:
                     netdev=v.netdev,
                     settings=MappingProxyType(settings),
                     ident=v.ident,
+                    netdev_ident=v.netdev_ident,
                 )
             )
         pf = PfSnapshot(

@@ -146,6 +146,29 @@ def test_a_restored_vf_whose_device_is_recreated_mid_restore_is_restored_again()
     assert run.world.writes == {0: 2, 1: 1}
 
 
+def test_a_vf_driver_rebound_on_every_start_gets_its_netdev_settings_back() -> None:
+    """The DOCA entrypoint unbinds and rebinds every VF: a new netdev with its defaults.
+
+    While the netdev is away the snapshot keeps what it had; the new netdev is a
+    disruption of that VF only (its PF-side config is intact and not rewritten).
+    """
+    run = Run(World(2).configured())
+    run.step(0.0)
+    run.world.rebind(1)
+    run.step(1.0)  # unbound: no netdev for now
+    assert run.phase() == "stable"
+    saved = run.memory.pfs[PF_PCI].saved.vf(1)
+    assert saved is not None and saved.netdev == "enp1s0f0v1" and saved.settings["mtu"] == 9000
+    run.world.netdev_appears(1)  # bound again: a new netdev, MTU 1500 and down
+    run.step(2.0)
+    run.step(2.0)
+    assert "1 VF netdevs created again" in run.memory.pfs[PF_PCI].why
+    assert run.phase() == "restored"
+    assert {i: sorted(f) for i, f in run.world.fields_written.items()} == {1: ["admin_up", "mtu"]}
+    run.step(3.0)
+    assert run.phase() == "restored"  # the new netdev is the snapshot's now
+
+
 def test_config_that_already_matches_is_not_rewritten() -> None:
     """MOFED (or anyone) got there first: the guard reads, sees a match, writes nothing."""
     run = stable_then_unloaded(3)

@@ -187,7 +187,19 @@ def _vfs_gone(obs: PfSnapshot | None, saved: SavedPf) -> str | None:
     ]
     if recreated:  # numvfs went to 0 and back between two passes
         return f"{len(recreated)} VFs destroyed and created again (new PCI devices)"
+    rebound = [sv.index for sv in saved.vfs if _netdev_recreated(sv, obs.vf(sv.index))]
+    if rebound:  # e.g. a driver container that unbinds and rebinds every VF on start
+        return f"{len(rebound)} VF netdevs created again with other settings (driver rebound)"
     return None
+
+
+def _netdev_recreated(sv: SavedVf, ov: VfSnapshot | None) -> bool:
+    """Same VF device, a new host netdev (another ifindex) whose own settings differ."""
+    if ov is None or sv.netdev_ident is None or ov.netdev_ident is None:
+        return False
+    if sv.ident is None or ov.ident != sv.ident or ov.netdev_ident == sv.netdev_ident:
+        return False
+    return any(ov.settings.get(k) != v for k, v in sv.settings.items() if k in NETDEV_SIDE)
 
 
 def _with_idents(saved: SavedPf, obs: PfSnapshot) -> SavedPf:
@@ -195,7 +207,13 @@ def _with_idents(saved: SavedPf, obs: PfSnapshot) -> SavedPf:
     vfs = []
     for sv in saved.vfs:
         ov = obs.vf(sv.index)
-        vfs.append(replace(sv, ident=ov.ident if ov is not None else None))
+        vfs.append(
+            replace(
+                sv,
+                ident=ov.ident if ov is not None else None,
+                netdev_ident=ov.netdev_ident if ov is not None else None,
+            )
+        )
     return replace(saved, vfs=tuple(vfs))
 
 
@@ -273,7 +291,7 @@ def _track(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
     if why is not None:  # (a PF still bound, e.g. numvfs 0 and back: restoring at once)
         return _disrupted(p, _disrupt(p, mem, why), obs)
     if obs is not None and _stable_now(p, obs):
-        new = saved_from_observed(obs, p.snap.sriov.attachments, p.now)
+        new = saved_from_observed(obs, p.snap.sriov.attachments, p.now, mem.saved)
         if not same_config(new, mem.saved):
             changed = _changed_vfs(mem.saved, new)
             if changed:

@@ -134,6 +134,7 @@ class VfSnapshot:
     # Identity of this incarnation of the VF's PCI device (its sysfs inode): a VF
     # destroyed and created again between two passes is a new device.
     ident: int | None = None
+    netdev_ident: int | None = None  # its host netdev's ifindex (a rebound driver: a new one)
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class SavedVf:
     netdev: str | None  # host netdev name when saved (None: in a pod netns, vfio, unbound)
     settings: Settings
     ident: int | None = None  # the VF device incarnation it was saved from (see VfSnapshot)
+    netdev_ident: int | None = None  # the ifindex of the netdev it was saved from
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,30 @@ class SriovObservation:
 EMPTY_SRIOV = SriovObservation()
 
 
+def _saved_vf(v: VfSnapshot, before: SavedVf | None) -> SavedVf:
+    """``v`` as saved; a VF whose host netdev is away for now (its driver being rebound,
+    moved into a pod) keeps the netdev and netdev settings saved before, on the same device."""
+    settings = dict(v.settings)
+    netdev, netdev_ident = v.netdev, v.netdev_ident
+    if (
+        v.netdev is None
+        and before is not None
+        and before.netdev is not None
+        and before.ident is not None
+        and before.ident == v.ident
+    ):
+        netdev, netdev_ident = before.netdev, before.netdev_ident
+        settings.update({k: x for k, x in before.settings.items() if VF_FIELDS[k].via == "netdev"})
+    return SavedVf(
+        v.index, v.pci, v.driver, netdev, MappingProxyType(settings), v.ident, netdev_ident
+    )
+
+
 def saved_from_observed(
-    pf: PfSnapshot, attachments: tuple[CniAttachment, ...], now: float
+    pf: PfSnapshot,
+    attachments: tuple[CniAttachment, ...],
+    now: float,
+    before: SavedPf | None = None,
 ) -> SavedPf:
     vf_pcis = {v.pci for v in pf.vfs}
     return SavedPf(
@@ -228,10 +252,7 @@ def saved_from_observed(
         driver=pf.driver,
         numvfs=pf.numvfs or 0,
         eswitch_mode=pf.eswitch_mode,
-        vfs=tuple(
-            SavedVf(v.index, v.pci, v.driver, v.netdev, MappingProxyType(dict(v.settings)), v.ident)
-            for v in pf.vfs
-        ),
+        vfs=tuple(_saved_vf(v, before.vf(v.index) if before else None) for v in pf.vfs),
         saved_at=now,
         attachments=tuple(a for a in attachments if a.vf_pci in vf_pcis),
     )
@@ -273,6 +294,7 @@ def saved_pf_to_json(pf: SavedPf) -> dict[str, Any]:
                 "netdev": v.netdev,
                 "settings": dict(sorted(v.settings.items())),
                 "ident": v.ident,
+                "netdev_ident": v.netdev_ident,
             }
             for v in pf.vfs
         ],
@@ -340,6 +362,7 @@ def saved_pf_from_json(d: Any, where: str) -> SavedPf:
                 netdev=_opt_str(raw, "netdev", w),
                 settings=MappingProxyType(check_settings(settings, f"{w}.settings")),
                 ident=_opt_int(raw.get("ident"), f"{w}.ident"),
+                netdev_ident=_opt_int(raw.get("netdev_ident"), f"{w}.netdev_ident"),
             )
         )
     atts = []

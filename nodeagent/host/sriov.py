@@ -191,6 +191,9 @@ class SriovObserver:
             vf_netdev = sysfs.first_netdev(vdev) if vdev else None
             where = f"VF {i}"
             settings, bad = _clean(vf_settings.get(i, {}), PF_SIDE, where)
+            netdev_ident = None
+            if vdev and vf_netdev:
+                netdev_ident = sysfs.read_count(f"{vdev}/net/{vf_netdev}/ifindex", bad)
             if vf_netdev is not None and vf_netdev in links:
                 link, bad2 = _clean(links[vf_netdev], NETDEV_SIDE, where)
                 settings.update(link)
@@ -204,6 +207,7 @@ class SriovObserver:
                     settings=MappingProxyType(settings),
                     problems=tuple(bad),
                     ident=sysfs.ident(vdev) if vdev else None,
+                    netdev_ident=netdev_ident,
                 )
             )
         return PfSnapshot(
