@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from nodeagent.core import policy as cfgval
+from nodeagent.core.names import is_decimal
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.registry import GUARDS, entry
 from nodeagent.errors import NodeagentError
@@ -101,7 +102,7 @@ def parse_address(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not is_decimal(port) or not 0 < int(port) < 65536:
         raise NodeagentError(f"metrics address {value!r}: expected HOST:PORT, e.g. 127.0.0.1:9808")
     return host, int(port)
 

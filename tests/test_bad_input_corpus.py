@@ -192,7 +192,15 @@ def state(doc: object | str) -> Setup:
 
 
 def peer_memory(**fields: object) -> Setup:
-    return state({"version": 1, "guards": {"peermem": fields}})
+    return guard_memory("peermem", **fields)
+
+
+def guard_memory(guard: str, **fields: object) -> Setup:
+    return state({"version": 1, "guards": {guard: fields}})
+
+
+PF = "0000:01:00.0"
+SAVED_PF = {"pci": PF, "numvfs": 1, "vfs": []}
 
 
 def status(doc: object | str) -> Setup:
@@ -361,6 +369,11 @@ CASES = [
     check("state-directory", directory(STATE), "open", "state file is a directory"),
     check("state-symlink", link(STATE, "/etc/passwd"), "open", "state file is a symlink"),
     check("state-stale-flag-memory-closes", peer_memory(restart_pending=True, stale_flag=[0, 0, 0]), "open"),
+    check("state-storage-retry-at-nan-text", guard_memory("storage", retry_at="nan"), "open", "retry_at is 'nan', not a finite time", "that guard starts fresh"),
+    check("state-storage-failures-fraction", guard_memory("storage", failures=1.5), "open", "failures is 1.5, not a count"),
+    check("state-sriov-pfs-null", guard_memory("sriov", pfs=None), "open", "pfs is not an object", "that guard starts fresh"),
+    check("state-sriov-restores-list", guard_memory("sriov", pfs={PF: {"saved": SAVED_PF, "phase": "stable", "restores": [1]}}), "open", "restores is not an object"),
+    check("state-sriov-attempts-text", guard_memory("sriov", pfs={PF: {"saved": SAVED_PF, "phase": "restoring", "restores": {"0": {"status": "waiting", "attempts": "2"}}}}), "open", "attempts is '2', not a count"),
     # -- status.json (status must never trace back)
     cmd("status-list", status("[1, 2, 3]"), ("status",), 1, "agent state unknown"),
     cmd("status-string", status('"hello"'), ("status",), 1, "agent state unknown"),
@@ -400,6 +413,7 @@ CASES = [
     cmd("speed-inf", NOTHING, ("simulate", "--speed", "inf"), 2, "--speed must be within"),
     cmd("speed-nan", NOTHING, ("simulate", "--speed", "nan"), 2, "--speed must be within"),
     cmd("speed-negative", NOTHING, ("simulate", "--speed", "-5"), 2, "--speed must be within"),
+    cmd("metrics-port-superscript", NOTHING, ("run", "--once", "--host-root", "{root}", "--metrics-address", "127.0.0.1:9²"), 2, "metrics address '127.0.0.1:9²'"),
 ]  # fmt: skip
 
 

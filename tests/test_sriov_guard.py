@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import MappingProxyType
 
@@ -438,3 +439,46 @@ def test_any_appearance_order_restores_each_vf_that_appears_in_time_exactly_once
             assert run.world.writes.get(i, 0) == 0
     assert run.phase() == ("restored" if appeared == set(range(n)) else "degraded")
     assert late <= appeared
+
+
+_JSON_LEAF = st.none() | st.booleans() | st.integers(-3, 2**64) | st.floats() | st.text(max_size=4)
+_JSON = st.recursive(
+    _JSON_LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=4), inner, max_size=2)
+    ),
+    max_leaves=6,
+)
+
+
+def _paths(node: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    out = [path]
+    if isinstance(node, dict):
+        for k, v in node.items():
+            out += _paths(v, (*path, k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _paths(v, (*path, i))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(where=st.integers(min_value=0), value=_JSON)
+def test_saved_memory_of_any_shape_is_parsed_or_refused_with_a_value_error(
+    where: int, value: object
+) -> None:
+    """One node of a real memory document replaced by any JSON value: the guard either
+    takes it or says why (ValueError, so the agent moves it aside); nothing else escapes."""
+    run = stable_then_unloaded(2)
+    run.world.reload()
+    run.world.netdev_appears(0)
+    run.step(2.0)
+    doc = json.loads(json.dumps(run.guard.memory_to_json(run.memory)))
+    paths = _paths(doc)[1:]
+    path = paths[where % len(paths)]
+    node = doc
+    for key in path[:-1]:
+        node = node[key]  # type: ignore[index]
+    node[path[-1]] = value  # type: ignore[index]
+    with contextlib.suppress(ValueError):
+        run.guard.memory_from_json(doc)

@@ -10,6 +10,7 @@ the last one stopped. How to add one: docs/design.md, "Adding a guard".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -72,8 +73,22 @@ class Guard(Protocol[M]):
     def memory_to_json(self, memory: M) -> dict[str, Any]: ...
 
     def memory_from_json(self, data: Mapping[str, Any]) -> M:
-        """Raise ValueError with a one-line reason when ``data`` is not valid memory."""
+        """Raise ValueError with a one-line reason when ``data`` is not valid memory.
+
+        Strict: every field of its JSON type, counts and times checked with
+        ``is_count``/``is_finite`` (a string "nan" or 1.5 failures is bad memory).
+        """
         ...
+
+
+def is_count(x: object) -> bool:
+    """A JSON count in saved memory: an int (not a bool), 0 <= x < 2**63."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
+
+
+def is_finite(x: object) -> bool:
+    """A JSON time in saved memory: an int or float (not a bool), finite."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def backoff_delay(failures: int, base: float, cap: float) -> float:

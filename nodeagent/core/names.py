@@ -1,7 +1,9 @@
-"""Validation of the strings that reach the kernel: module names and parameters.
+"""Validation of strings: module names and parameters, and decimal numbers.
 
 The agent runs privileged on every GPU node; anything that names a module or
-carries a parameter is checked here before it can reach libkmod or an argv.
+carries a parameter is checked here before it can reach libkmod or an argv,
+and text read from the node or given by a user becomes a number only through
+``is_decimal``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ _MODULE_NAME = re.compile(r"[A-Za-z0-9_-]{1,55}")
 # key or key=value; values may hold commas/dots/colons (lists, addresses) but
 # no whitespace, quotes, shell metacharacters or control characters.
 _MODULE_PARAM = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}(=[A-Za-z0-9_.,:/+@%-]{0,255})?")
+
+
+def is_decimal(text: str) -> bool:
+    """ASCII digits only: ``"²".isdigit()`` is True, and ``int("²")`` raises."""
+    return text.isascii() and text.isdigit()
 
 
 def normalize_module_name(name: str) -> str:

@@ -24,7 +24,6 @@ restart seen + peermem loaded with refcnt 0 -> unload it at once so
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.gpudirect import classify
-from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count, is_finite
 from nodeagent.core.identity import (
     abi_mismatches,
     disk_evidence,
@@ -230,15 +229,15 @@ class PeermemGate:
             stale = data.get("stale_flag")
             if stale is not None:
                 if not (
-                    isinstance(stale, list) and len(stale) == 3 and all(_is_count(x) for x in stale)
+                    isinstance(stale, list) and len(stale) == 3 and all(is_count(x) for x in stale)
                 ):
                     raise ValueError("stale_flag is not [inode, mtime_ns, ctime_ns]")
                 stale = FileId(*stale)
             failures = data.get("failures", 0)
-            if not _is_count(failures):
+            if not is_count(failures):
                 raise ValueError(f"failures is {failures!r}, not a count")
             retry_at = data.get("retry_at")
-            if retry_at is not None and not _is_finite(retry_at):
+            if retry_at is not None and not is_finite(retry_at):
                 raise ValueError(f"retry_at is {retry_at!r}, not a finite time")
             last_error = data.get("last_error")
             if last_error is not None and not isinstance(last_error, str):
@@ -472,11 +471,3 @@ class PeermemGate:
 _MEMORY_FIELDS = frozenset(
     {"restart_pending", "stale_flag", "failures", "retry_at", "last_error", "last_signals"}
 )
-
-
-def _is_count(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
-
-
-def _is_finite(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

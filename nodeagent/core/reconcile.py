@@ -113,4 +113,7 @@ class Reconciler:
             except ValueError as exc:
                 problems.append(str(exc))
                 memory[name] = guard.initial_memory()
+            except Exception as exc:  # a parser that missed a shape: still bad memory, not a crash
+                problems.append(f"{name} memory is malformed: {type(exc).__name__}: {exc}")
+                memory[name] = guard.initial_memory()
         return memory, problems

@@ -35,8 +35,9 @@ from typing import Any, Literal
 
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import Action, ActionOutcome, RestoreVf, SetNumVfs
-from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count, is_finite
 from nodeagent.core.mofed import MOFED_MODES, MofedMarkers, MofedMode
+from nodeagent.core.names import is_decimal
 from nodeagent.core.needs import Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import NodeSnapshot
@@ -832,50 +833,88 @@ def _overall(memory: SriovMemory) -> Phase:
 def _opt_float(v: Any) -> float | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise SriovValueError(f"{v!r} is not a time")
+    if not is_finite(v):
+        raise SriovValueError(f"{v!r} is not a finite time")
     return float(v)
 
 
+def _time(v: Any, where: str) -> float:
+    if not is_finite(v):
+        raise SriovValueError(f"{where} is {v!r}, not a finite time")
+    return float(v)
+
+
+def _opt_text(v: Any, where: str) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise SriovValueError(f"{where} is {v!r}, not a string")
+    return v
+
+
+def _names(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise SriovValueError(f"{where} is not a list of strings")
+    return tuple(v)
+
+
+def _object(v: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise SriovValueError(f"{where} is not an object")
+    return v
+
+
+def _restore_from_json(r: Any, where: str) -> VfRestore:
+    r = _object(r, where)
+    status = r.get("status")
+    if status not in ("waiting", "restored", "failed"):
+        raise SriovValueError(f"{where}: status {status!r}")
+    attempts = r.get("attempts", 0)
+    if not is_count(attempts):
+        raise SriovValueError(f"{where}: attempts is {attempts!r}, not a count")
+    ident = r.get("ident")
+    if ident is not None and not is_count(ident):
+        raise SriovValueError(f"{where}: ident is {ident!r}, not a count")
+    reported = r.get("reported", False)
+    if not isinstance(reported, bool):
+        raise SriovValueError(f"{where}: reported is not a boolean")
+    return VfRestore(
+        status=status,
+        deadline=_time(r.get("deadline", 0.0), f"{where}: deadline"),
+        attempts=attempts,
+        next_try=_opt_float(r.get("next_try")),
+        ready_at=_opt_float(r.get("ready_at")),
+        done_at=_opt_float(r.get("done_at")),
+        written=_names(r.get("written", []), f"{where}: written"),
+        error=_opt_text(r.get("error"), f"{where}: error"),
+        reported=reported,
+        ident=ident,
+    )
+
+
 def _memory_from_json(data: Mapping[str, Any]) -> SriovMemory:
-    raw = data.get("pfs")
-    if not isinstance(raw, Mapping):
-        raise SriovValueError("pfs is not an object")
+    """Strict, as every guard's memory: a wrong type anywhere is bad memory, not a crash."""
+    raw = _object(data.get("pfs"), "pfs")
     pfs: dict[str, PfMemory] = {}
     for pci, d in raw.items():
-        if not isinstance(d, Mapping):
-            raise SriovValueError(f"{pci}: not an object")
+        d = _object(d, str(pci))
         saved = saved_pf_from_json(d.get("saved"), f"{pci}.saved")
         phase = d.get("phase")
         if phase not in PHASES:
             raise SriovValueError(f"{pci}: phase {phase!r} is not one of {', '.join(PHASES)}")
-        unsupported = tuple(str(x) for x in d.get("unsupported") or ())
         restores: dict[int, VfRestore] = {}
-        for i, r in (d.get("restores") or {}).items():
-            status = r.get("status")
-            if status not in ("waiting", "restored", "failed"):
-                raise SriovValueError(f"{pci} VF {i}: status {status!r}")
-            restores[int(i)] = VfRestore(
-                status=status,
-                deadline=float(r.get("deadline") or 0.0),
-                attempts=int(r.get("attempts") or 0),
-                next_try=_opt_float(r.get("next_try")),
-                ready_at=_opt_float(r.get("ready_at")),
-                done_at=_opt_float(r.get("done_at")),
-                written=tuple(str(x) for x in r.get("written") or ()),
-                error=r.get("error"),
-                reported=bool(r.get("reported")),
-                ident=r.get("ident") if isinstance(r.get("ident"), int) else None,
-            )
+        for i, r in _object(d.get("restores", {}), f"{pci}.restores").items():
+            if not (isinstance(i, str) and is_decimal(i)):
+                raise SriovValueError(f"{pci}.restores: VF index {i!r} is not a number")
+            restores[int(i)] = _restore_from_json(r, f"{pci} VF {i}")
+        unsupported = _names(d.get("unsupported", []), f"{pci}.unsupported")
         pfs[saved.pci] = PfMemory(
             saved=saved,
             phase=phase,
-            since=float(d.get("since") or 0.0),
-            why=str(d.get("why") or ""),
+            since=_time(d.get("since", 0.0), f"{pci}.since"),
+            why=_opt_text(d.get("why"), f"{pci}.why") or "",
             back_at=_opt_float(d.get("back_at")),
             gone_at=_opt_float(d.get("gone_at")),
             numvfs_asked_at=_opt_float(d.get("numvfs_asked_at")),
-            numvfs_error=d.get("numvfs_error"),
+            numvfs_error=_opt_text(d.get("numvfs_error"), f"{pci}.numvfs_error"),
             numvfs_quiet_since=_opt_float(d.get("numvfs_quiet_since")),
             restores=MappingProxyType(restores),
             unsupported=tuple(u for u in unsupported if u in VF_FIELDS),

@@ -14,6 +14,7 @@ import fcntl
 import os
 import stat
 
+from nodeagent.core.names import is_decimal
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 
@@ -49,7 +50,7 @@ class AgentLock:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise NodeagentError(f"{self.rel}: cannot lock: {exc.strerror}") from None
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                who = f"pid {holder}" if holder.isascii() and holder.isdigit() else "unknown pid"
+                who = f"pid {holder}" if is_decimal(holder) else "unknown pid"
                 raise AgentRunning(
                     f"another nodeagent ({who}) is running on this host root (it holds {self.rel})"
                 ) from None

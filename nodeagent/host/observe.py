@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nodeagent.config import Config
-from nodeagent.core.names import is_module_name, normalize_module_name
+from nodeagent.core.names import is_decimal, is_module_name, normalize_module_name
 from nodeagent.core.needs import DiskNeed, Needs
 from nodeagent.core.snapshot import (
     DiskModule,
@@ -144,7 +144,7 @@ class Observer:
         refcnt: int | None = None
         raw_ref = self._attr(d, "refcnt", problems)
         if raw_ref is not None:
-            if raw_ref.isascii() and raw_ref.isdigit():  # "²".isdigit() is True
+            if is_decimal(raw_ref):
                 refcnt = int(raw_ref)
             else:
                 problems.append(f"refcnt is {raw_ref[:40]!r} (not a number)")
@@ -545,7 +545,7 @@ def read_nvmet_ports(host: HostRoot, rel: str) -> tuple[tuple[NvmetPort, ...], l
     out: list[NvmetPort] = []
     problems: list[str] = []
     for name in host.listdir(rel):
-        if not name.isdigit():
+        if not is_decimal(name):
             continue
         values: dict[str, str] = {}
         for attr in ("addr_trtype", "addr_traddr", "addr_trsvcid"):

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from nodeagent.core.names import is_decimal
 from nodeagent.core.sriov_model import (
     NETDEV_SIDE,
     PF_SIDE,
@@ -96,7 +97,7 @@ class Sysfs:
             return None
         finally:
             os.close(fd)
-        if not raw.isdigit():
+        if not is_decimal(raw):
             problems.append(f"{rel} is {raw[:20]!r}, not a count")
             return None
         return int(raw)
@@ -181,7 +182,7 @@ class SriovObserver:
         indexes = sorted(
             int(n[len("virtfn") :])
             for n in sysfs.listdir(dev)
-            if n.startswith("virtfn") and n[len("virtfn") :].isdigit()
+            if n.startswith("virtfn") and is_decimal(n[len("virtfn") :])
         )
         vfs = []
         for i in indexes:
