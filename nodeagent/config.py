@@ -65,13 +65,11 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
             "resync_seconds", data["resync_seconds"], 0.05, 86400
         )
     if "timeline_max_bytes" in data:
-        changes["timeline_max_bytes"] = int(
-            cfgval.number("timeline_max_bytes", data["timeline_max_bytes"], 4096, 1 << 34)
+        changes["timeline_max_bytes"] = cfgval.whole(
+            "timeline_max_bytes", data["timeline_max_bytes"], 4096, 1 << 34
         )
     if "timeline_keep" in data:
-        changes["timeline_keep"] = int(
-            cfgval.number("timeline_keep", data["timeline_keep"], 1, 100)
-        )
+        changes["timeline_keep"] = cfgval.whole("timeline_keep", data["timeline_keep"], 1, 100)
     if "kmsg" in data:
         if not isinstance(data["kmsg"], str) or not data["kmsg"].startswith("/"):
             raise NodeagentError(f"config kmsg: expected an absolute path, got {data['kmsg']!r}")

@@ -32,6 +32,15 @@ def number(key: str, value: Any, lo: float, hi: float) -> float:
     return float(value)
 
 
+def whole(key: str, value: Any, lo: int, hi: int) -> int:
+    """A count (a TOML integer): 1.5 is refused, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise NodeagentError(f"config {key}: expected a whole number, got {value!r}")
+    if not lo <= value <= hi:
+        raise NodeagentError(f"config {key}: {value!r} is outside {lo}..{hi}")
+    return value
+
+
 def boolean(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise NodeagentError(f"config {key}: expected true or false, got {value!r}")

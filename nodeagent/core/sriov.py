@@ -87,13 +87,13 @@ _NUMBERS = {
     "retry_max_seconds": ("retry_max_s", 0.01, 86400.0),
     "poll_seconds": ("poll_s", 0.05, 3600.0),
     "pf_gone_seconds": ("pf_gone_s", 1.0, 30 * 86400.0),
-    "parallel": ("parallel", 1, 256),
 }
 
 
 def parse_policy(table: Mapping[str, Any], pol: SriovPolicy) -> SriovPolicy:
     """``[sriov]`` of the config file over ``pol``; NodeagentError naming a bad value."""
-    cfgval.reject_unknown("sriov", table, {"numvfs_owner", "mofed", "mofed_drivers", *_NUMBERS})
+    known = {"numvfs_owner", "mofed", "mofed_drivers", "parallel", *_NUMBERS}
+    cfgval.reject_unknown("sriov", table, known)
     if "numvfs_owner" in table:
         pol = replace(
             pol,
@@ -108,9 +108,10 @@ def parse_policy(table: Mapping[str, Any], pol: SriovPolicy) -> SriovPolicy:
         )
     for key, (attr, lo, hi) in _NUMBERS.items():
         if key in table:
-            value = cfgval.number(f"sriov.{key}", table[key], lo, hi)
-            changes: dict[str, Any] = {attr: int(value) if attr == "parallel" else value}
+            changes: dict[str, Any] = {attr: cfgval.number(f"sriov.{key}", table[key], lo, hi)}
             pol = replace(pol, **changes)
+    if "parallel" in table:
+        pol = replace(pol, parallel=cfgval.whole("sriov.parallel", table["parallel"], 1, 256))
     return pol
 
 
