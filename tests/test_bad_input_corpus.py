@@ -397,6 +397,7 @@ CASES = [
     cmd("gate-fifo", fifo(GATE), WAIT0, 1, "unreadable", "FIFO"),
     cmd("gate-symlink", link(GATE, "/etc/hostname"), WAIT0, 1, "unreadable"),
     cmd("gate-fresh", gate_confirmed(-5), WAIT0, 0, "open"),
+    cmd("gate-confirmed-in-the-future", gate_confirmed(-3600), WAIT0, 1, "in the future"),
     # -- config and command line
     cmd("config-fifo", fifo("c.toml"), CFG, 2, "not a regular file"),
     cmd("config-directory", directory("c.toml"), CFG, 2, "not a regular file"),
