@@ -24,7 +24,8 @@ SNAPSHOT_VERSION = 1
 
 _MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
 _GUID = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){7}")
-_PCI = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+# The kernel prints the domain with %04x: VMD and some hosts have 5-digit domains.
+_PCI = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
 class SriovValueError(ValueError):
@@ -114,7 +115,7 @@ def check_settings(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def check_pci(v: Any, where: str) -> str:
     if not isinstance(v, str) or not _PCI.fullmatch(v):
-        raise SriovValueError(f"{where}: {v!r} is not a PCI address (dddd:bb:dd.f)")
+        raise SriovValueError(f"{where}: {v!r} is not a PCI address (dddd[dddd]:bb:dd.f)")
     return v
 
 
