@@ -37,6 +37,7 @@ from nodeagent.core.sriov_model import (
     snapshot_from_json,
     snapshot_to_json,
 )
+from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.netlink import SriovOps
 
@@ -285,13 +286,12 @@ class SriovStore:
     def _set_aside(self, why: str) -> str:
         if self.read_only:
             return f"{self.rel} {why}"
-        src = self.host.path(self.rel)
-        dst = src.with_name(f"{src.name}.corrupt")
+        dst = f"{self.rel.rpartition('/')[2]}.corrupt"
         try:
-            os.replace(src, dst)
-            where = f"moved to {dst.name}"
-        except OSError as exc:
-            where = f"could not move it aside: {exc.strerror}"
+            self.host.set_aside(self.rel, dst)
+            where = f"moved to {dst}"
+        except (OSError, NodeagentError) as exc:
+            where = f"could not move it aside: {getattr(exc, 'strerror', None) or exc}"
         self._read_ident = None
         msg = f"{self.rel} {why}; {where}; the snapshot starts from what the node shows"
         self.reports.append(msg)
