@@ -91,6 +91,11 @@ def directory(rel: str) -> Setup:
     return go
 
 
+def loop(rel: str) -> Setup:
+    """``rel`` replaced by a symlink to itself (ELOOP on every open)."""
+    return link(rel, rel.rpartition("/")[2])
+
+
 def link(rel: str, target: str) -> Setup:
     def go(root: Path) -> None:
         p = root / rel
@@ -314,6 +319,8 @@ CASES = [
     check("validations-10000-markers", many_validations(10_000), "open", "more left out"),
     check("validations-is-a-file", put(VALIDATIONS, "x"), "open"),
     check("validations-fifo", fifo(VALIDATIONS), "open"),
+    check("validations-symlink-loop", loop(VALIDATIONS), "open", "run/nvidia/validations unreadable"),
+    check("holders-symlink-loop", loop(f"{MLX}/holders"), "open", "holders unreadable"),
     check("mofed-lock-fifo", fifo("run/mellanox/drivers/.lock"), "open"),
     # -- .ko files and compression bombs
     check("peermem-ko-empty", put(PEER, b""), "closed", "cannot verify nvidia_peermem.ko", "not an ELF file"),
