@@ -412,6 +412,8 @@ CASES = [
     cmd("config-inf", config("resync_seconds = inf"), CFG, 2, "resync_seconds"),
     cmd("config-keep-fraction", config("timeline_keep = 1.5"), CFG, 2, "config timeline_keep: expected a whole number, got 1.5"),
     cmd("config-sriov-parallel-fraction", config("[sriov]\nparallel = 2.5"), CFG, 2, "config sriov.parallel: expected a whole number"),
+    cmd("config-hold-file-is-mofeds-flag", config('[storage]\nhold_file = "run/mellanox/drivers/.driver-ready"'), CFG, 2, "config storage.hold_file", "must be a NAME.conf file"),
+    cmd("config-hold-file-is-mofeds-blacklist", config('[storage]\nhold_file = "etc/modprobe.d/blacklist-ofed-modules.conf"'), CFG, 2, "is MOFED's own file"),
     cmd("config-sriov-parallel-zero", config("[sriov]\nparallel = 0"), CFG, 2, "config sriov.parallel: 0 is outside 1..256"),
     cmd("config-binary", put("c.toml", b"\xff\xfe"), CFG, 2, "does not parse as TOML"),
     cmd("config-shell-in-module", config('[peermem]\nrdma_stack = ["$(reboot)"]'), CFG, 2, "invalid kernel module"),
