@@ -1,6 +1,8 @@
 """A tiny pure SR-IOV world for the guard's tests: one PF, its VFs, netdevs that appear on cue.
 
-``World.observe(now)`` builds the ``NodeSnapshot`` the guard decides over;
+``World.observe(now)`` builds the ``NodeSnapshot`` the guard decides over (with
+``read_failure`` set, as the host observer reports that read failing: see
+``READ_FAILURES``);
 ``World.perform(action)`` carries a ``RestoreVf``/``SetNumVfs`` out on the
 world's own state and counts every field write per VF, the way the host
 layer does (only fields that differ are written).
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import errno
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -37,6 +40,74 @@ DEFAULTS: dict[str, Any] = {
     "max_tx_rate": 0,
     "mtu": 1500,
     "admin_up": False,
+}
+
+
+def _settings_unread(pf: PfSnapshot) -> PfSnapshot:
+    """The PF's IFLA_VFINFO_LIST read failed: no PF-side settings, one problem on the PF."""
+    vfs = tuple(
+        replace(
+            v, settings=MappingProxyType({k: x for k, x in v.settings.items() if k in NETDEV_SIDE})
+        )
+        for v in pf.vfs
+    )
+    return replace(pf, vfs=vfs, problems=("VF settings of enp1s0f0 unreadable: EBUSY",))
+
+
+def _links_unread(pf: PfSnapshot) -> PfSnapshot:
+    """The link dump failed: no netdev settings, a problem on every VF with a netdev."""
+    vfs = tuple(
+        replace(
+            v,
+            settings=MappingProxyType({k: x for k, x in v.settings.items() if k in PF_SIDE}),
+            problems=(f"VF {v.index}: settings of its netdev {v.netdev} not read (no link dump)",),
+        )
+        if v.netdev is not None
+        else v
+        for v in pf.vfs
+    )
+    return replace(pf, vfs=vfs)
+
+
+def _malformed_vlan(pf: PfSnapshot) -> PfSnapshot:
+    """One VF's vlan did not parse: left out, a problem on that VF."""
+    vfs = tuple(
+        replace(
+            v,
+            settings=MappingProxyType({k: x for k, x in v.settings.items() if k != "vlan"}),
+            problems=("VF 1: vlan: 70000 is not an integer in 0..4095",),
+        )
+        if v.index == 1
+        else v
+        for v in pf.vfs
+    )
+    return replace(pf, vfs=vfs)
+
+
+def _field_missing(pf: PfSnapshot) -> PfSnapshot:
+    """No problem reported, but the mtu of every VF is not in the read."""
+    vfs = tuple(
+        replace(v, settings=MappingProxyType({k: x for k, x in v.settings.items() if k != "mtu"}))
+        for v in pf.vfs
+    )
+    return replace(pf, vfs=vfs)
+
+
+def _numvfs_malformed(pf: PfSnapshot) -> PfSnapshot:
+    return replace(
+        pf,
+        numvfs=None,
+        problems=("sys/bus/pci/devices/0000:01:00.0/sriov_numvfs is 'four', not a count",),
+    )
+
+
+# How a read fails -> what the host observer hands over then (host/sriov.py's SriovObserver).
+READ_FAILURES: dict[str, Callable[[PfSnapshot], PfSnapshot]] = {
+    "VF settings unreadable": _settings_unread,
+    "link dump failed": _links_unread,
+    "a malformed value": _malformed_vlan,
+    "a field not in the read": _field_missing,
+    "sriov_numvfs malformed": _numvfs_malformed,
 }
 
 
@@ -83,6 +154,7 @@ class World:
     fields_written: dict[int, list[str]] = field(default_factory=dict)
     unsupported: set[str] = field(default_factory=set)  # fields the "driver" refuses
     fail_next: dict[int, int] = field(default_factory=dict)  # VF -> failures to inject
+    read_failure: str | None = None  # a key of READ_FAILURES: the next reads fail that way
 
     def configured(self) -> World:
         """Every VF present with its wanted config (the stable node the snapshot is taken of)."""
@@ -143,6 +215,8 @@ class World:
             totalvfs=self.totalvfs,
             vfs=tuple(vfs),
         )
+        if self.read_failure is not None:
+            pf = READ_FAILURES[self.read_failure](pf)
         ready = "run/mellanox/drivers/.driver-ready"
         blacklist = "etc/modprobe.d/blacklist-ofed-modules.conf"
         return NodeSnapshot(

@@ -20,7 +20,7 @@ from nodeagent.core.sriov_model import (
     snapshot_from_json,
     snapshot_to_json,
 )
-from tests.sriov_world import PF_PCI, World, wanted
+from tests.sriov_world import PF_PCI, READ_FAILURES, World, wanted
 
 POLICY = SriovPolicy(numvfs_grace_s=30, vf_deadline_s=60, poll_s=2, retry_base_s=0.5)
 
@@ -87,6 +87,102 @@ def test_owner_change_while_stable_updates_the_snapshot() -> None:
     assert run.memory.pfs[PF_PCI].saved.vf(1).settings["mtu"] == 1800  # type: ignore[union-attr]
     assert any("changed by its owner" in e and "VF 1: mtu" in e for e in run.events)
     assert not run.actions
+
+
+def _snapshot_file(run: Run) -> str:
+    """What the agent writes to sriov.json after the pass (SriovStore's serialization)."""
+    saved = {pci: m.saved for pci, m in run.memory.pfs.items()}
+    return json.dumps(snapshot_to_json(saved), indent=1, sort_keys=True)
+
+
+@pytest.mark.parametrize("failure", list(READ_FAILURES))
+def test_a_failed_read_keeps_the_snapshot_and_the_next_restore_brings_every_vf_back(
+    failure: str,
+) -> None:
+    """A stable PF read badly (netlink, a malformed value, a field missing) is not an owner's
+    change: the snapshot and its file stay as they were, the PF stays stable, nothing is
+    written; after a real unload and reload every VF gets its original settings back."""
+    run = Run(World(3).configured())
+    run.step(0.0)
+    saved, file = run.memory.pfs[PF_PCI].saved, _snapshot_file(run)
+    run.world.read_failure = failure
+    run.step(1.0)
+    run.step(2.0)
+    assert run.memory.pfs[PF_PCI].saved == saved
+    assert _snapshot_file(run) == file
+    assert run.phase() == "stable" and not run.actions
+    assert not any("changed by its owner" in e for e in run.events)
+    if failure != "a field not in the read":  # a read with a problem says so, once
+        kept = [e for e in run.events if "snapshot kept" in e]
+        assert len(kept) == 1 and "VF settings unreadable" in kept[0]
+        assert run.verdict()["pfs"][PF_PCI]["snapshot_kept"]  # type: ignore[index]
+    run.world.read_failure = None
+    run.world.unload()
+    run.step(3.0)
+    run.world.reload()
+    for i in range(3):
+        run.world.netdev_appears(i)
+    run.step(4.0)
+    run.step(5.0)
+    assert run.phase() == "restored"
+    for i in range(3):
+        assert {k: run.world.vfs[i].settings[k] for k in wanted(i)} == wanted(i)
+
+
+# The VFs each failure leaves without a clean read (a field merely absent is no problem).
+UNREAD_VFS = {
+    "VF settings unreadable": {0, 1},
+    "link dump failed": {0, 1},
+    "a malformed value": {1},
+    "a field not in the read": set(),
+    "sriov_numvfs malformed": {0, 1},
+}
+
+
+@pytest.mark.parametrize("failure", list(READ_FAILURES))
+def test_a_failed_read_while_restoring_writes_nothing_on_it(failure: str) -> None:
+    run = stable_then_unloaded(2)
+    run.world.reload()
+    run.world.netdev_appears(0)
+    run.world.netdev_appears(1)
+    run.world.read_failure = failure
+    run.step(2.0)
+    run.step(3.0)
+    written = {a.index for a in run.actions if isinstance(a, RestoreVf)}
+    assert not written & UNREAD_VFS[failure]
+    assert not [a for a in run.actions if isinstance(a, SetNumVfs)]
+    if UNREAD_VFS[failure]:
+        assert run.phase() == "restoring"
+    run.world.read_failure = None
+    run.step(4.0)
+    run.step(5.0)
+    assert run.phase() == "restored"
+    for i in range(2):
+        assert {k: run.world.vfs[i].settings[k] for k in wanted(i)} == wanted(i)
+
+
+def test_an_adopted_snapshot_read_badly_is_kept_and_compared_on_the_first_clean_read() -> None:
+    """Memory lost, the node unreadable: not a disruption; the first clean read decides."""
+    run = Run(World(2).configured())
+    run.step(0.0)
+    persisted = PersistedSnapshot(
+        snapshot_from_json(json.loads(_snapshot_file(run))),
+    )
+    world = run.world
+    world.vfs[1].settings["vlan"] = 7  # changed while no agent watched
+    world.read_failure = "VF settings unreadable"
+    from dataclasses import replace
+
+    guard = SriovGuard(POLICY)
+    snap = world.observe(5.0)
+    d = guard.decide(replace(snap, sriov=replace(snap.sriov, persisted=persisted)), SriovMemory())
+    assert d.memory.pfs[PF_PCI].phase == "stable" and not d.actions
+    assert d.memory.pfs[PF_PCI].saved.vf(1).settings["vlan"] == 101  # type: ignore[union-attr]
+    world.read_failure = None
+    snap = world.observe(6.0)
+    d = guard.decide(replace(snap, sriov=replace(snap.sriov, persisted=persisted)), d.memory)
+    assert d.memory.pfs[PF_PCI].phase == "restoring"  # differs: restored, not adopted as is
+    assert [a.index for a in d.actions if isinstance(a, RestoreVf)] == [1]
 
 
 def test_disruption_freezes_the_snapshot_and_restores_each_vf_as_it_appears() -> None:

@@ -6,12 +6,16 @@ import errno
 import json
 import os
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 
 from nodeagent.core.actions import RestoreVf, SetNumVfs
-from nodeagent.core.sriov_model import SNAPSHOT_VERSION
+from nodeagent.core.paths import HostPaths
+from nodeagent.core.snapshot import FileFact, NodeSnapshot
+from nodeagent.core.sriov import SriovGuard
+from nodeagent.core.sriov_model import SNAPSHOT_VERSION, SriovObservation
 from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.netlink import parse_vfinfo
@@ -78,6 +82,86 @@ def test_malformed_sysfs_values_are_problems_not_crashes(kernel: SimKernel) -> N
     pf = observer(kernel).observe().pfs[PF_PCI]
     assert pf.numvfs is None
     assert pf.problems == (f"sys/bus/pci/devices/{PF_PCI}/sriov_numvfs is 'four', not a count",)
+
+
+def mofed_ready_snapshot(now: float, sriov: SriovObservation) -> NodeSnapshot:
+    ready = HostPaths().mofed.ready
+    return NodeSnapshot(
+        now=now,
+        kernel=KVER,
+        modules=MappingProxyType({}),
+        disk=MappingProxyType({}),
+        files=MappingProxyType({ready: FileFact(ready, True)}),
+        sriov=sriov,
+    )
+
+
+class FailingOps(SimSriovOps):
+    """The simulated netlink with the observer's reads failing as the flags say."""
+
+    def __init__(self, kernel: SimKernel) -> None:
+        super().__init__(kernel)
+        self.vf_read_fails = False
+        self.dump_fails = False
+
+    def vf_settings(self, pf_ifname: str) -> dict[int, dict[str, Any]]:
+        if self.vf_read_fails:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        return super().vf_settings(pf_ifname)
+
+    def links(self) -> dict[str, dict[str, Any]]:
+        if self.dump_fails:
+            raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+        return super().links()
+
+
+@pytest.mark.parametrize(
+    ("vf_read_fails", "dump_fails"), [(True, False), (False, True), (True, True)]
+)
+def test_failed_netlink_reads_leave_the_snapshot_file_as_it_was(
+    kernel: SimKernel, vf_read_fails: bool, dump_fails: bool
+) -> None:
+    """Observer, guard and store together: a stable PF whose VF reads fail keeps its
+    snapshot and sriov.json byte for byte, writes nothing, and says why."""
+    kernel.set_vf(PF, 1, vlan=7, trust=True)
+    kernel.set_link(f"{PF}v1", mtu=9000, admin_up=True)
+    host = HostRoot(kernel.root)
+    ops = FailingOps(kernel)
+    store = SriovStore(host)
+    obs = SriovObserver(host, ops, store)
+    guard = SriovGuard()
+    memory = guard.initial_memory()
+
+    def one_pass(now: float) -> tuple[object, list[str]]:
+        nonlocal memory
+        snap = mofed_ready_snapshot(now, obs.observe())
+        d = guard.decide(snap, memory)
+        memory = d.memory
+        store.save({pci: m.saved for pci, m in memory.pfs.items()})
+        assert not d.actions
+        return guard.verdict(snap, memory), list(d.events)
+
+    one_pass(1.0)
+    path = kernel.root / "var/lib/nodeagent/sriov.json"
+    before, saved = path.read_bytes(), memory.pfs[PF_PCI].saved
+    assert saved.vf(1).settings["vlan"] == 7  # type: ignore[union-attr]
+    ops.vf_read_fails, ops.dump_fails = vf_read_fails, dump_fails
+    _, events = one_pass(2.0)
+    verdict, _ = one_pass(3.0)
+    assert path.read_bytes() == before
+    assert memory.pfs[PF_PCI].saved == saved and memory.pfs[PF_PCI].phase == "stable"
+    assert [e for e in events if "snapshot kept" in e] != []
+    kept = verdict.evidence["pfs"][PF_PCI]["snapshot_kept"]  # type: ignore[attr-defined]
+    if vf_read_fails:
+        assert f"VF settings of {PF} unreadable: {os.strerror(errno.EBUSY)}" in kept
+    if dump_fails:
+        assert f"VF 1: settings of its netdev {PF}v1 not read (no link dump)" in kept
+    ops.vf_read_fails = ops.dump_fails = False
+    kernel.set_vf(PF, 1, vlan=8)  # the owner's change, read cleanly: the snapshot follows
+    _, events = one_pass(4.0)
+    assert memory.pfs[PF_PCI].saved.vf(1).settings["vlan"] == 8  # type: ignore[union-attr]
+    assert any("readable again" in e for e in events)
+    assert json.loads(path.read_text())["pfs"][0]["vfs"][1]["settings"]["vlan"] == 8
 
 
 def actuator(k: SimKernel, ops: SimSriovOps) -> Actuator:

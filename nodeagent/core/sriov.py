@@ -10,7 +10,9 @@ reported on its own and blocks no other.
 Per PF, a phase (the table ``_PHASES`` dispatches on it):
 
 - ``stable``    driver bound, MOFED ready (mlx5), every VF present: the saved
-                snapshot follows the node (an owner's change updates it);
+                snapshot follows the node (an owner's change updates it), from
+                what was read only: a PF or VF read with a problem keeps its
+                snapshot, a field not read keeps its value;
 - ``disrupted`` its VFs went away (driver unbound, ``sriov_numvfs`` lowered):
                 the snapshot is frozen;
 - ``restoring`` the PF is back: ``sriov_numvfs`` is set back after a grace
@@ -50,6 +52,7 @@ from nodeagent.core.sriov_model import (
     SavedVf,
     SriovValueError,
     VfSnapshot,
+    read_problems,
     same_config,
     saved_from_observed,
     saved_pf_from_json,
@@ -142,6 +145,8 @@ class PfMemory:
     numvfs_quiet_since: float | None = None  # PF back and MOFED not mid-restart since
     restores: Mapping[int, VfRestore] = field(default_factory=lambda: MappingProxyType({}))
     unsupported: tuple[str, ...] = ()  # fields its driver refused with EOPNOTSUPP (once)
+    unread: tuple[str, ...] = ()  # this pass's read problems: nothing saved or restored from them
+    unconfirmed: bool = False  # adopted from the file while unreadable: compared on a clean read
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,8 @@ def _vfs_gone(obs: PfSnapshot | None, saved: SavedPf) -> str | None:
     if obs.driver is None:
         return f"driver {saved.driver or '?'} unbound"
     present = sum(1 for v in obs.vfs if v.pci is not None)
-    if (obs.numvfs or 0) < saved.numvfs or present < saved.numvfs:
+    numvfs = present if obs.numvfs is None else obs.numvfs  # unreadable: the devices say
+    if numvfs < saved.numvfs or present < saved.numvfs:
         return f"sriov_numvfs {obs.numvfs} (was {saved.numvfs})"
     recreated = [
         sv.index
@@ -197,11 +203,13 @@ def _vfs_gone(obs: PfSnapshot | None, saved: SavedPf) -> str | None:
 
 def _netdev_recreated(sv: SavedVf, ov: VfSnapshot | None) -> bool:
     """Same VF device, a new host netdev (another ifindex) whose own settings differ."""
-    if ov is None or sv.netdev_ident is None or ov.netdev_ident is None:
-        return False
+    if ov is None or ov.problems or sv.netdev_ident is None or ov.netdev_ident is None:
+        return False  # (a VF not read cleanly: judged on a clean read)
     if sv.ident is None or ov.ident != sv.ident or ov.netdev_ident == sv.netdev_ident:
         return False
-    return any(ov.settings.get(k) != v for k, v in sv.settings.items() if k in NETDEV_SIDE)
+    return any(
+        k in ov.settings and ov.settings[k] != v for k, v in sv.settings.items() if k in NETDEV_SIDE
+    )
 
 
 def _with_idents(saved: SavedPf, obs: PfSnapshot) -> SavedPf:
@@ -287,22 +295,45 @@ def _disrupt(p: _Pass, mem: PfMemory, why: str) -> PfMemory:
     )
 
 
+def _note_unread(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
+    """Every phase: this pass's read problems, one event when they start and when they end."""
+    unread = read_problems(obs) if obs is not None else ()
+    if bool(unread) != bool(mem.unread):
+        p.events.append(
+            f"PF {mem.saved.pci}: VF settings unreadable ({'; '.join(unread[:3])}"
+            f"{' ...' if len(unread) > 3 else ''}): snapshot kept, nothing restored from this read"
+            if unread
+            else f"PF {mem.saved.pci}: VF settings readable again"
+        )
+    return mem if unread == mem.unread else replace(mem, unread=unread)
+
+
 def _track(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
-    """stable / restored: follow the owner's changes; notice a disruption."""
+    """stable / restored: follow the owner's changes, from what was read; notice a disruption."""
     why = _vfs_gone(obs, mem.saved)
     if why is not None:  # (a PF still bound, e.g. numvfs 0 and back: restoring at once)
         return _disrupted(p, _disrupt(p, mem, why), obs)
-    if obs is not None and _stable_now(p, obs):
-        new = saved_from_observed(obs, p.snap.sriov.attachments, p.now, mem.saved)
-        if not same_config(new, mem.saved):
-            changed = _changed_vfs(mem.saved, new)
-            if changed:
-                p.events.append(
-                    f"PF {mem.saved.pci}: VF config changed by its owner; snapshot updated "
-                    f"({'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''})"
-                )
-            return replace(mem, saved=new)
-    return mem
+    if obs is None or not _stable_now(p, obs):
+        return mem
+    if mem.unconfirmed:  # adopted while unreadable: this first clean read is the comparison
+        if mem.unread:
+            return mem
+        adopted = _adopt(p, mem.saved.pci, mem.saved, obs)
+        return _PHASES[adopted.phase](p, adopted, obs) if adopted.phase != "stable" else adopted
+    # A PF whose VF settings were not read keeps its snapshot whole; so does one with a
+    # new VF read badly (nothing saved to keep for it).
+    if obs.problems or any(v.problems and mem.saved.vf(v.index) is None for v in obs.vfs):
+        return mem
+    new = saved_from_observed(obs, p.snap.sriov.attachments, p.now, mem.saved)
+    if same_config(new, mem.saved):
+        return mem
+    changed = _changed_vfs(mem.saved, new)
+    if changed:
+        p.events.append(
+            f"PF {mem.saved.pci}: VF config changed by its owner; snapshot updated "
+            f"({'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''})"
+        )
+    return replace(mem, saved=new)
 
 
 def _disrupted(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
@@ -332,10 +363,12 @@ def _disrupted(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
 
 
 def _ask_numvfs(p: _Pass, mem: PfMemory, obs: PfSnapshot) -> PfMemory:
+    if obs.numvfs is None:  # unreadable: never written on a guess
+        return mem
     want = mem.saved.numvfs
     if obs.totalvfs is not None:
         want = min(want, obs.totalvfs)
-    have = obs.numvfs or 0
+    have = obs.numvfs
     if have >= want or p.policy.numvfs_owner != "agent" or mem.back_at is None:
         return mem
     if _mofed_restarting(p, obs):  # openibd restart is loading modules: it writes numvfs next
@@ -372,15 +405,18 @@ def _restore_one(p: _Pass, mem: PfMemory, sv: SavedVf, r: VfRestore, obs: PfSnap
         )
     ov = obs.vf(sv.index)
     ready = ov is not None and ov.pci is not None and (sv.netdev is None or ov.netdev is not None)
-    if ov is None or not ready:
+    if ov is None or not ready or obs.problems or ov.problems:
+        # Not there yet, or its settings not read: nothing is written on a guess.
         if p.now >= r.deadline:
-            what = "PCI device" if ov is None or ov.pci is None else "netdev"
-            return replace(
-                r,
-                status="failed",
-                done_at=p.now,
-                error=f"its {what} did not appear within {p.policy.vf_deadline_s:.0f} s",
-            )
+            if ov is None or ov.pci is None:
+                error = f"its PCI device did not appear within {p.policy.vf_deadline_s:.0f} s"
+            elif not ready:
+                error = f"its netdev did not appear within {p.policy.vf_deadline_s:.0f} s"
+            else:
+                error = (
+                    f"its settings could not be read: {'; '.join((obs.problems + ov.problems)[:2])}"
+                )
+            return replace(r, status="failed", done_at=p.now, error=error)
         p.wake.append(r.deadline)
         return r
     if r.ready_at is None:
@@ -528,6 +564,8 @@ def _adopt(p: _Pass, pci: str, saved: SavedPf, obs: PfSnapshot | None) -> PfMemo
     """
     mem = PfMemory(saved=saved, phase="stable", since=p.now)
     if obs is not None and _stable_now(p, obs):
+        if read_problems(obs):  # cannot compare: kept, and compared on the first clean read
+            return replace(mem, unconfirmed=True)
         now = saved_from_observed(obs, p.snap.sriov.attachments, p.now)
         if same_config(now, saved):
             return mem
@@ -563,6 +601,10 @@ def _pf_evidence(mem: PfMemory, obs: PfSnapshot | None) -> dict[str, Any]:
             ev["restore_seconds_max"] = round(max(durations), 6)
     if mem.unsupported:
         ev["unsupported_fields"] = list(mem.unsupported)
+    if mem.unread:  # what could not be read this pass: the snapshot was kept
+        ev["snapshot_kept"] = list(mem.unread)
+    if mem.unconfirmed:
+        ev["unconfirmed"] = "adopted from the file; compared with the node on a clean read"
     if mem.numvfs_error:
         ev["numvfs_error"] = mem.numvfs_error
     if mem.phase != "stable" and mem.saved.attachments:
@@ -659,12 +701,12 @@ class SriovGuard:
             if pci not in pfs:
                 pfs[pci] = _adopt(p, pci, saved, obs_pfs.get(pci))
         for pci, obs in obs_pfs.items():
-            if pci not in pfs and _stable_now(p, obs):
+            if pci not in pfs and _stable_now(p, obs) and not read_problems(obs):
                 saved = saved_from_observed(obs, snap.sriov.attachments, snap.now)
                 pfs[pci] = PfMemory(saved=saved, phase="stable", since=snap.now)
                 p.events.append(f"PF {pci} ({obs.netdev}): snapshot of {len(saved.vfs)} VFs taken")
         for pci in sorted(pfs):
-            mem = pfs[pci]
+            mem = _note_unread(p, pfs[pci], obs_pfs.get(pci))
             pfs[pci] = _PHASES[mem.phase](p, mem, obs_pfs.get(pci))
         memory = SriovMemory(MappingProxyType(pfs))
         if p.actions:  # look again at once: read back, report each VF's outcome
@@ -727,6 +769,8 @@ class SriovGuard:
                     "numvfs_error": m.numvfs_error,
                     "numvfs_quiet_since": m.numvfs_quiet_since,
                     "unsupported": list(m.unsupported),
+                    "unread": list(m.unread),
+                    "unconfirmed": m.unconfirmed,
                     "restores": {
                         str(i): {
                             "status": r.status,
@@ -907,6 +951,9 @@ def _memory_from_json(data: Mapping[str, Any]) -> SriovMemory:
                 raise SriovValueError(f"{pci}.restores: VF index {i!r} is not a number")
             restores[int(i)] = _restore_from_json(r, f"{pci} VF {i}")
         unsupported = _names(d.get("unsupported", []), f"{pci}.unsupported")
+        unconfirmed = d.get("unconfirmed", False)
+        if not isinstance(unconfirmed, bool):
+            raise SriovValueError(f"{pci}: unconfirmed is not a boolean")
         pfs[saved.pci] = PfMemory(
             saved=saved,
             phase=phase,
@@ -919,5 +966,7 @@ def _memory_from_json(data: Mapping[str, Any]) -> SriovMemory:
             numvfs_quiet_since=_opt_float(d.get("numvfs_quiet_since")),
             restores=MappingProxyType(restores),
             unsupported=tuple(u for u in unsupported if u in VF_FIELDS),
+            unread=_names(d.get("unread", []), f"{pci}.unread"),
+            unconfirmed=unconfirmed,
         )
     return SriovMemory(MappingProxyType(pfs))

@@ -220,10 +220,19 @@ class SriovObservation:
 EMPTY_SRIOV = SriovObservation()
 
 
+def read_problems(pf: PfSnapshot) -> tuple[str, ...]:
+    """What went wrong reading this PF and its VFs (netlink, a malformed value): none, clean."""
+    return pf.problems + tuple(p for v in pf.vfs for p in v.problems)
+
+
 def _saved_vf(v: VfSnapshot, before: SavedVf | None) -> SavedVf:
-    """``v`` as saved; a VF whose host netdev is away for now (its driver being rebound,
-    moved into a pod) keeps the netdev and netdev settings saved before, on the same device."""
-    settings = dict(v.settings)
+    """``v`` as saved: only what was read. A VF whose read had a problem keeps what was
+    saved before, whole; a field not read keeps its saved value. A VF whose host netdev is
+    away for now (its driver being rebound, moved into a pod) keeps the netdev saved
+    before, on the same device."""
+    if before is not None and v.problems:
+        return before
+    settings = {**before.settings, **v.settings} if before is not None else dict(v.settings)
     netdev, netdev_ident = v.netdev, v.netdev_ident
     if (
         v.netdev is None
@@ -233,7 +242,6 @@ def _saved_vf(v: VfSnapshot, before: SavedVf | None) -> SavedVf:
         and before.ident == v.ident
     ):
         netdev, netdev_ident = before.netdev, before.netdev_ident
-        settings.update({k: x for k, x in before.settings.items() if VF_FIELDS[k].via == "netdev"})
     return SavedVf(
         v.index, v.pci, v.driver, netdev, MappingProxyType(settings), v.ident, netdev_ident
     )
@@ -245,6 +253,8 @@ def saved_from_observed(
     now: float,
     before: SavedPf | None = None,
 ) -> SavedPf:
+    """The snapshot of ``pf`` as read (see ``_saved_vf``); the caller takes none from a PF
+    whose own read had a problem (``PfSnapshot.problems``: its VF settings were not read)."""
     vf_pcis = {v.pci for v in pf.vfs}
     return SavedPf(
         pci=pf.pci,

@@ -11,7 +11,9 @@
   corrupt or unknown-version file is moved aside and reported.
 - ``host/sriov_act.py`` carries out the guard's actions.
 
-Malformed sysfs values never raise: they become ``problems`` on the fact.
+Malformed sysfs values and failed netlink reads never raise: they become
+``problems`` on the PF or VF whose facts they are, so the guard keeps what it
+saved instead of taking the missing settings for empty ones.
 """
 
 from __future__ import annotations
@@ -140,12 +142,13 @@ class SriovObserver:
         problems: list[str] = []
         pfs: dict[str, PfSnapshot] = {}
         links: dict[str, dict[str, Any]] | None = None
+        dumped = False
         for pci in self.sys.listdir(PCI_DEVICES):
             dev = f"{PCI_DEVICES}/{pci}"
             if not self.sys.exists(f"{dev}/sriov_totalvfs"):
                 continue
-            if links is None:
-                links = self._links(problems)
+            if not dumped:
+                links, dumped = self._links(problems), True
             pfs[pci] = self.read_pf(pci, links)
         return SriovObservation(
             pfs=MappingProxyType(pfs),
@@ -154,16 +157,18 @@ class SriovObserver:
             problems=tuple(problems),
         )
 
-    def _links(self, problems: list[str]) -> dict[str, dict[str, Any]]:
+    def _links(self, problems: list[str]) -> dict[str, dict[str, Any]] | None:
+        """Every host netdev's settings; None when they could not be read."""
         if self.ops is None:
-            return {}
+            return None
         try:
             return self.ops.links()
         except OSError as exc:
             problems.append(f"netlink link dump failed: {exc.strerror or exc}")
-            return {}
+            return None
 
-    def read_pf(self, pci: str, links: Mapping[str, Mapping[str, Any]]) -> PfSnapshot:
+    def read_pf(self, pci: str, links: Mapping[str, Mapping[str, Any]] | None) -> PfSnapshot:
+        """One PF; ``links`` None: the netdevs' settings were not read (a problem per VF)."""
         sysfs = self.sys
         dev = f"{PCI_DEVICES}/{pci}"
         problems: list[str] = []
@@ -195,7 +200,9 @@ class SriovObserver:
             netdev_ident = None
             if vdev and vf_netdev:
                 netdev_ident = sysfs.read_count(f"{vdev}/net/{vf_netdev}/ifindex", bad)
-            if vf_netdev is not None and vf_netdev in links:
+            if vf_netdev is not None and links is None:
+                bad.append(f"{where}: settings of its netdev {vf_netdev} not read (no link dump)")
+            elif vf_netdev is not None and links is not None and vf_netdev in links:
                 link, bad2 = _clean(links[vf_netdev], NETDEV_SIDE, where)
                 settings.update(link)
                 bad += bad2
