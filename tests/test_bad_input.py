@@ -226,8 +226,10 @@ STORAGE_LOCK = "run/mellanox/drivers/.lock"
 
 
 def _mofed_pending_with_rpcrdma(root: Path) -> None:
-    """rpcrdma loaded (no users) and MOFED's lock held, as /proc/locks shows it."""
+    """rpcrdma loaded (no users: the mount table has only /) and MOFED's lock held."""
     sysmod(root, "rpcrdma", initstate="live", refcnt="0")
+    (root / "proc/1").mkdir(parents=True)
+    (root / "proc/1/mountinfo").write_text("22 1 259:2 / / rw - ext4 /dev/nvme0n1p2 rw\n")
     lock = root / STORAGE_LOCK
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
@@ -266,7 +268,6 @@ def test_garbage_in_proc_locks_and_mountinfo_is_named_and_skipped(root: Path) ->
     _mofed_pending_with_rpcrdma(root)
     good = (root / "proc/locks").read_text()
     (root / "proc/locks").write_text("garbage\n1: FLOCK ADVISORY WRITE x 00:zz:1 0 EOF\n" + good)
-    (root / "proc/1").mkdir(parents=True)
     (root / "proc/1/mountinfo").write_bytes(
         b"\xff\xfe not a mount\n36 35 0:50 / /mnt/a\\040b rw - nfs4 srv:/x rw,proto=rdma\n"
     )

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
@@ -35,10 +39,17 @@ class Kernel:
         self.removed.append(name)
 
 
-def node(tmp_path: Path) -> Path:
+MOUNTINFO = "proc/1/mountinfo"
+ROOT_MOUNT = "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
+
+
+def node(tmp_path: Path, module: str = "rpcrdma") -> Path:
+    """MOFED pending (its lock held) and ``module`` loaded with no user: the agent removes it."""
     (tmp_path / "proc/sys/kernel").mkdir(parents=True)
     (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
-    d = tmp_path / "sys/module/rpcrdma"
+    (tmp_path / "proc/1").mkdir(parents=True)
+    (tmp_path / MOUNTINFO).write_text(ROOT_MOUNT)
+    d = tmp_path / "sys/module" / module
     (d / "holders").mkdir(parents=True)
     (d / "initstate").write_text("live\n")
     (d / "refcnt").write_text("0\n")
@@ -88,3 +99,137 @@ def test_a_stale_hold_file_is_removed_on_the_first_pass(tmp_path: Path) -> None:
     assert result.verdicts["storage"].verdict == "clear"
     assert [o.action.describe() for o in result.outcomes] == [f"remove {HOLD}"]
     assert not (root / HOLD).exists()
+
+
+NVME1 = "sys/class/nvme/nvme1"
+PORT1 = "sys/kernel/config/nvmet/ports/1"
+
+
+def local_controller(root: Path) -> None:
+    (root / NVME1).mkdir(parents=True)
+    for attr, value in (("transport", "pcie"), ("subsysnqn", "nqn.2014.08.org.nvmexpress:x")):
+        (root / NVME1 / attr).write_text(value + "\n")
+
+
+def tcp_port(root: Path) -> None:
+    (root / PORT1 / "subsystems").mkdir(parents=True)
+    for attr, value in (
+        ("addr_trtype", "tcp"),
+        ("addr_traddr", "10.0.0.9"),
+        ("addr_trsvcid", "4420"),
+    ):
+        (root / PORT1 / attr).write_text(value + "\n")
+
+
+def as_fifo(rel: str) -> Callable[[Path], None]:
+    def go(root: Path) -> None:
+        (root / rel).unlink()
+        os.mkfifo(root / rel)
+
+    return go
+
+
+def as_directory(rel: str) -> Callable[[Path], None]:
+    def go(root: Path) -> None:
+        (root / rel).unlink()
+        (root / rel).mkdir()
+
+    return go
+
+
+def garbage(rel: str) -> Callable[[Path], None]:
+    def go(root: Path) -> None:
+        (root / rel).write_bytes(b"rd\x00ma\n")
+
+    return go
+
+
+def fifo_for_dir(rel: str) -> Callable[[Path], None]:
+    def go(root: Path) -> None:
+        shutil.rmtree(root / rel)
+        os.mkfifo(root / rel)
+
+    return go
+
+
+def nothing(root: Path) -> None:
+    pass
+
+
+# module, its users' files (readable), what breaks one, what the reason then names
+UNREADABLE_USERS = [
+    pytest.param("rpcrdma", nothing, as_fifo(MOUNTINFO), MOUNTINFO, id="mountinfo-fifo"),
+    pytest.param("rpcrdma", nothing, as_directory(MOUNTINFO), MOUNTINFO, id="mountinfo-dir"),
+    pytest.param(
+        "nvme_rdma",
+        local_controller,
+        as_directory(f"{NVME1}/transport"),
+        "NVMe controller nvme1: transport unknown (transport unreadable: is a directory",
+        id="nvme-transport-dir",
+    ),
+    pytest.param(
+        "nvme_rdma",
+        local_controller,
+        as_fifo(f"{NVME1}/transport"),
+        "NVMe controller nvme1: transport unknown (transport unreadable: is a FIFO",
+        id="nvme-transport-fifo",
+    ),
+    pytest.param(
+        "nvme_rdma",
+        local_controller,
+        garbage(f"{NVME1}/transport"),
+        "transport is 'rd\\x00ma' (not a transport name)",
+        id="nvme-transport-garbage",
+    ),
+    pytest.param(
+        "nvme_rdma",
+        local_controller,
+        fifo_for_dir("sys/class/nvme"),
+        "NVMe controllers: sys/class/nvme unreadable: Not a directory",
+        id="nvme-class-fifo",
+    ),
+    pytest.param(
+        "nvmet_rdma",
+        tcp_port,
+        as_fifo(f"{PORT1}/addr_trtype"),
+        "NVMe-oF target port 1: transport unknown (addr_trtype unreadable: is a FIFO",
+        id="nvmet-trtype-fifo",
+    ),
+    pytest.param(
+        "nvmet_rdma",
+        tcp_port,
+        as_directory(f"{PORT1}/addr_traddr"),
+        "NVMe-oF target port 1: addr_traddr unreadable: is a directory",
+        id="nvmet-traddr-dir",
+    ),
+]
+
+
+@pytest.mark.parametrize(("module", "lay_out", "break_it", "names"), UNREADABLE_USERS)
+@pytest.mark.parametrize("broken", [False, True], ids=["readable", "unreadable"])
+def test_an_unreadable_user_source_keeps_the_module_loaded(
+    tmp_path: Path,
+    module: str,
+    lay_out: Callable[[Path], None],
+    break_it: Callable[[Path], None],
+    names: str,
+    broken: bool,
+) -> None:
+    root = node(tmp_path, module)
+    lay_out(root)
+    if broken:
+        break_it(root)
+    kernel = Kernel(root)
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+    verdict = agent.run_pass(["start"]).verdicts["storage"]
+    if not broken:  # the control: the same node, read cleanly, has the module removed
+        assert verdict.verdict == "blocking" and kernel.removed == [module]
+        return
+    assert (verdict.verdict, verdict.ok, kernel.removed) == ("in-use", False, [])
+    assert not (root / HOLD).exists()
+    (why,) = [r for r in verdict.reasons if r.startswith(f"cannot tell whether {module}")]
+    assert names in why and why.endswith("; not removing")

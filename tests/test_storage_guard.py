@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -16,6 +17,7 @@ from nodeagent.core.snapshot import (
     Mount,
     NodeSnapshot,
     NvmeController,
+    NvmetPort,
 )
 from nodeagent.core.storage import HOLD_FILE, StorageGuard, StoragePolicy
 
@@ -44,6 +46,7 @@ def node(
     hold: bool = False,
     mounts: tuple[Mount, ...] = (),
     nvme: tuple[NvmeController, ...] = (),
+    ports: tuple[NvmetPort, ...] = (),
 ) -> NodeSnapshot:
     files = {
         READY: FileFact(READY, ready, FileId(9, 1, 1) if ready else None),
@@ -60,6 +63,7 @@ def node(
         locks=locks,
         mounts=mounts,
         nvme=nvme,
+        nvmet_ports=ports,
     )
 
 
@@ -288,3 +292,121 @@ def test_an_unreadable_refcnt_is_not_taken_for_unused() -> None:
     )
     order = [a.module for a in GUARD.decide(snap, GUARD.initial_memory()).actions[1:]]
     assert "sunrpc" not in order and order[0] == "rpcrdma"
+
+
+# Fail closed on the readers of who uses the chain: what cannot be read may be a user.
+NVME_CHAIN = (mod("nvme_core", "nvme_fabrics", "nvme_rdma"), mod("nvme_fabrics", "nvme_rdma"))
+BLIND_CTRL = NvmeController("nvme1", "unknown", "", problem="transport unreadable: Is a directory")
+NQN = ("nqn.2026-11.io.example:vol1",)
+
+
+def unread(snap: NodeSnapshot, source: str, problem: str) -> NodeSnapshot:
+    """``snap`` with the reader of ``source`` (a snapshot field) having met ``problem``."""
+    return replace(snap, read_problems=MappingProxyType({source: (problem,)}))
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        pytest.param(
+            lambda: node(*NVME_CHAIN, mod("nvme_rdma"), locked=True, nvme=(BLIND_CTRL,)),
+            "cannot tell whether nvme_rdma is in use: NVMe controller nvme1: "
+            "transport unknown (transport unreadable: Is a directory)",
+            id="controller-transport-unreadable",
+        ),
+        pytest.param(
+            lambda: node(
+                *NVME_CHAIN,
+                mod("nvme_rdma"),
+                locked=True,
+                nvme=(NvmeController("nvme1", "unknown", ""),),
+            ),
+            "cannot tell whether nvme_rdma is in use: NVMe controller nvme1: "
+            "transport unknown (not reported)",
+            id="controller-transport-missing",
+        ),
+        pytest.param(
+            lambda: unread(
+                node(*NVME_CHAIN, mod("nvme_rdma"), locked=True),
+                "nvme",
+                "sys/class/nvme unreadable: Permission denied",
+            ),
+            "cannot tell whether nvme_rdma is in use: "
+            "NVMe controllers: sys/class/nvme unreadable: Permission denied",
+            id="controllers-unlisted",
+        ),
+        pytest.param(
+            lambda: unread(
+                node(*INBOX, *CHAIN, locked=True),
+                "mounts",
+                "proc/1/mountinfo is unreadable: is a FIFO, not a regular file",
+            ),
+            "cannot tell whether rpcrdma is in use: "
+            "mounts: proc/1/mountinfo is unreadable: is a FIFO, not a regular file",
+            id="mountinfo-unreadable",
+        ),
+        pytest.param(
+            lambda: node(
+                mod("nvmet_rdma"),
+                locked=True,
+                ports=(
+                    NvmetPort("1", "unknown", ":", NQN, "addr_trtype unreadable: No such file"),
+                ),
+            ),
+            "cannot tell whether nvmet_rdma is in use: NVMe-oF target port 1: "
+            "transport unknown (addr_trtype unreadable: No such file)",
+            id="port-transport-unreadable",
+        ),
+        pytest.param(
+            lambda: node(
+                mod("nvmet_rdma"), locked=True, ports=(NvmetPort("1", "unknown", ":", NQN),)
+            ),
+            "cannot tell whether nvmet_rdma is in use: NVMe-oF target port 1: "
+            "transport unknown (not reported)",
+            id="port-transport-missing",
+        ),
+        pytest.param(
+            lambda: node(
+                mod("nvmet_rdma"),
+                locked=True,
+                ports=(NvmetPort("1", "tcp", ":4420", (), "subsystems unreadable: Is a FIFO"),),
+            ),
+            "cannot tell whether nvmet_rdma is in use: NVMe-oF target port 1: "
+            "subsystems unreadable: Is a FIFO",
+            id="port-subsystems-unreadable",
+        ),
+    ],
+)
+def test_a_user_reader_that_cannot_see_keeps_the_chain_in_use(
+    make: Callable[[], NodeSnapshot], says: str
+) -> None:
+    d = GUARD.decide(make(), GUARD.initial_memory())
+    assert (d.verdict.verdict, d.verdict.ok) == ("in-use", False)
+    assert not any(isinstance(a, UnloadModule) for a in d.actions) and d.actions == ()
+    assert says + "; not removing" in d.verdict.reasons
+
+
+def test_the_same_nodes_read_cleanly_are_removed() -> None:
+    # Controls for the table above: what made them in-use was only the unreadable part.
+    pcie = NvmeController("nvme0", "pcie", "nqn.2014.08.org.nvmexpress:root")
+    for snap in (
+        node(*NVME_CHAIN, mod("nvme_rdma"), locked=True, nvme=(pcie,)),
+        node(*INBOX, *CHAIN, locked=True),
+        node(mod("nvmet_rdma"), locked=True, ports=(NvmetPort("1", "tcp", ":4420", NQN),)),
+    ):
+        d = GUARD.decide(snap, GUARD.initial_memory())
+        assert d.verdict.verdict == "blocking"
+        assert any(isinstance(a, UnloadModule) for a in d.actions)
+
+
+def test_an_unreadable_reader_holds_back_only_the_module_it_could_name_users_of() -> None:
+    # A local controller's odd transport cannot be an NVMe-oF user when nvme_rdma is not loaded.
+    snap = unread(
+        node(*INBOX, *CHAIN, locked=True, nvme=(BLIND_CTRL,)),
+        "nvmet_ports",
+        "sys/kernel/config/nvmet/ports unreadable: Input/output error",
+    )
+    d = GUARD.decide(snap, GUARD.initial_memory())
+    assert d.verdict.verdict == "blocking"
+    order = [a.module for a in d.actions if isinstance(a, UnloadModule)]
+    assert order[0] == "rpcrdma" and "nvme_rdma" not in order

@@ -111,10 +111,10 @@ class NvmeController:
     """An NVMe controller under /sys/class/nvme (local PCIe or NVMe-oF)."""
 
     name: str  # nvme0
-    transport: str  # pcie, rdma, tcp, fc, loop
+    transport: str  # pcie, rdma, tcp, fc, loop; "unknown" when absent or unreadable
     subsysnqn: str
     address: str = ""
-    problem: str | None = None
+    problem: str | None = None  # what of it could not be read
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,10 @@ class NvmetPort:
     """An NVMe-oF target port under /sys/kernel/config/nvmet/ports (the target side)."""
 
     name: str  # the port's configfs directory, e.g. "1"
-    transport: str  # addr_trtype: rdma, tcp, loop, fc
+    transport: str  # addr_trtype: rdma, tcp, loop, fc; "unknown" when unreadable
     address: str  # addr_traddr:addr_trsvcid
     subsystems: tuple[str, ...]  # NQNs linked to the port (enabled while non-empty)
+    problem: str | None = None  # what of it could not be read
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,10 @@ class NodeSnapshot:
     nvme: tuple[NvmeController, ...] = ()
     nvmet_ports: tuple[NvmetPort, ...] = ()
     problems: tuple[str, ...] = ()  # node-wide read problems (e.g. /sys/module unreadable)
+    # What the reader of a list of facts above (by field name: "locks", "mounts",
+    # "nvme", "nvmet_ports") could not read: that list may be missing facts.
+    # Also in ``problems``.
+    read_problems: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)
     sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (nodeagent.host.sriov)
 
     def module(self, name: str) -> LoadedModule | None:

@@ -11,8 +11,8 @@ guard acts per node, in order, only when safe, and puts things back:
 - **Verdicts**: ``clear`` (nothing loaded, or MOFED not pending), ``blocking``
   (storage modules loaded while MOFED is pending: MOFED will refuse),
   ``in-use`` (loaded, and used by something that is not a module: an RDMA
-  mount, an NVMe-oF controller ...), ``holding`` (the agent removed them and
-  holds them out until MOFED is ready).
+  mount, an NVMe-oF controller ...; or who uses it cannot be read),
+  ``holding`` (the agent removed them and holds them out until MOFED is ready).
 - **Actions** (policy ``unload`` | ``hold`` | ``off``): remove the loaded storage
   modules and what of their chain nothing else needs, holders first, in the
   order the holders graph gives (sequence: stop at the first failure); with
@@ -29,7 +29,7 @@ references without holders, and must not block it.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -48,7 +48,7 @@ from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_ord
 from nodeagent.core.mofed import pending_signals
 from nodeagent.core.needs import HOST_TREE, Needs
 from nodeagent.core.paths import HostPaths
-from nodeagent.core.snapshot import LoadedModule, NodeSnapshot
+from nodeagent.core.snapshot import LoadedModule, NodeSnapshot, NvmeController, NvmetPort
 from nodeagent.errors import NodeagentError
 
 STORAGE_MODULES: tuple[str, ...] = (
@@ -273,15 +273,22 @@ class StorageGuard:
         wake_at: float | None = None
         if pending and loaded:
             tops = holders_closure(snap.modules, loaded)
-            users = self._users(snap, sorted(tops))
+            users, unseen = self._users(snap, sorted(tops))
             evidence["users"] = users
-            if users:
+            if unseen:
+                evidence["unseen"] = unseen
+            if users or unseen:  # fail closed: what the agent cannot read may be a user
                 verdict = "in-use"
                 reasons += [f"{m} is in use: {'; '.join(u)}" for m, u in users.items()]
+                reasons += [
+                    f"cannot tell whether {m} is in use: {'; '.join(u)}; not removing"
+                    for m, u in unseen.items()
+                ]
                 reasons.append(
                     "MOFED (" + "; ".join(pending) + ") will refuse to install while "
                     f"{', '.join(loaded)} {'is' if len(loaded) == 1 else 'are'} loaded; "
-                    "the agent does not remove modules with users"
+                    "the agent does not remove modules with users, or that it cannot "
+                    "tell are unused"
                 )
             else:
                 verdict = "blocking"
@@ -374,23 +381,31 @@ class StorageGuard:
                     grew = True
         return out
 
-    def _users(self, snap: NodeSnapshot, tops: list[str]) -> dict[str, list[str]]:
-        """Non-module users of the chain's top modules, named where the node says who.
+    def _users(
+        self, snap: NodeSnapshot, tops: list[str]
+    ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """Non-module users of the chain's top modules, named where the node says who;
+        and, per top module, what the agent could not read of who might use it.
 
         A named user counts even with no reference: the kernel lets ``nvme_rdma`` go
         with a live controller (its exit deletes the controllers; fabrics drops the
         module reference once the controller is made), so the refcount alone would
-        not stop the agent from cutting an NVMe-oF connection.
+        not stop the agent from cutting an NVMe-oF connection. For the same reason a
+        controller whose transport cannot be read, or a mount table that cannot be
+        read, is not taken for "no user".
         """
         users: dict[str, list[str]] = {}
+        unseen: dict[str, list[str]] = {}
         for name in tops:
             mod: LoadedModule = snap.modules[name]
-            named = list(_NAMERS.get(name, _nobody)(snap))
+            named, unread = _NAMERS.get(name, _nobody)(snap)
+            if unread:
+                unseen[name] = unread
             if mod.outside_refs == 0 and not named:
                 continue
             refs = f"refcnt {mod.refcnt}, module holders: {', '.join(mod.holders) or 'none'}"
             users[name] = named or [f"{refs}; used by something that is not a module"]
-        return users
+        return users, unseen
 
     def absorb(self, memory: StorageMemory, outcome: ActionOutcome, now: float) -> StorageMemory:
         if not outcome.performed:
@@ -416,32 +431,56 @@ class StorageGuard:
         return (RemoveFile(self.name, self.policy.hold_file, "the agent is stopping"),)
 
 
-def _rdma_mounts(snap: NodeSnapshot) -> list[str]:
-    return [
+# A namer: the users of one top module the node names, and what could not be read
+# of them (a user may hide there).
+Named = tuple[list[str], list[str]]
+
+
+def _unread(snap: NodeSnapshot, field: str, what: str) -> list[str]:
+    return [f"{what}: {p}" for p in snap.read_problems.get(field, ())]
+
+
+def _rdma_mounts(snap: NodeSnapshot) -> Named:
+    named = [
         f"NFS-over-RDMA mount {m.mount_point} ({m.source})"
         for m in snap.mounts
         if "proto=rdma" in m.options
     ]
+    return named, _unread(snap, "mounts", "mounts")
 
 
-def _rdma_controllers(snap: NodeSnapshot) -> list[str]:
-    return [
+def _rdma_controllers(snap: NodeSnapshot) -> Named:
+    named = [
         f"NVMe-oF controller {c.name} (subsystem {c.subsysnqn or 'unknown'})"
         for c in snap.nvme
         if c.transport == "rdma"
     ]
+    return named, _unread(snap, "nvme", "NVMe controllers") + _misread(snap.nvme, "NVMe controller")
 
 
-def _rdma_ports(snap: NodeSnapshot) -> list[str]:
-    return [
+def _rdma_ports(snap: NodeSnapshot) -> Named:
+    named = [
         f"NVMe-oF target port {p.name} (rdma {p.address}, subsystem {', '.join(p.subsystems)})"
         for p in snap.nvmet_ports
         if p.transport == "rdma" and p.subsystems
     ]
+    unread = _unread(snap, "nvmet_ports", "NVMe-oF target ports")
+    return named, unread + _misread(snap.nvmet_ports, "NVMe-oF target port")
 
 
-def _nobody(snap: NodeSnapshot) -> list[str]:
-    return []
+def _misread(facts: Iterable[NvmeController | NvmetPort], what: str) -> list[str]:
+    """The controllers or ports whose transport or anything else could not be read."""
+    out: list[str] = []
+    for f in facts:
+        if f.transport == "unknown":
+            out.append(f"{what} {f.name}: transport unknown ({f.problem or 'not reported'})")
+        elif f.problem:
+            out.append(f"{what} {f.name}: {f.problem}")
+    return out
+
+
+def _nobody(snap: NodeSnapshot) -> Named:
+    return [], []
 
 
 # Who uses which top module, as far as the node says (others: refcnt only).

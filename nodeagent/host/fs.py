@@ -269,11 +269,18 @@ class HostRoot:
         counted = "counted as present" if present else "ignored"
         return FileFact(path=rel, present=present, problem=f"{what}; {counted}")
 
-    def listdir(self, rel: str) -> list[str]:
-        """Sorted names in a directory (inside the root); [] when it is missing."""
+    def listdir(self, rel: str, *, strict: bool = False) -> list[str]:
+        """Sorted names in a directory (inside the root); [] when it is missing.
+
+        Also [] when it is not a directory, unless ``strict`` (then NotADirectoryError).
+        """
         try:
             fd = self.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK, follow=True)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            if strict:
+                raise
             return []
         try:
             return sorted(os.listdir(fd))

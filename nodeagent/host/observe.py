@@ -301,10 +301,12 @@ class Observer:
         modules = self._read_modules(wanted, problems)
         if needs.chains:
             self._read_chains(needs.chains, needs.chain_trees, kernel, modules, problems)
-        locks = self._run(self.read_locks, problems) if needs.locks else ()
-        mounts = self._run(self.read_mounts, problems) if needs.mounts else ()
-        nvme = self._run(self.read_nvme, problems) if needs.nvme else ()
-        ports = self._run(self.read_nvmet_ports, problems) if needs.nvme else ()
+        unread: dict[str, tuple[str, ...]] = {}  # snapshot field -> what its reader missed
+        locks = self._run("locks", self.read_locks, unread) if needs.locks else ()
+        mounts = self._run("mounts", self.read_mounts, unread) if needs.mounts else ()
+        nvme = self._run("nvme", self.read_nvme, unread) if needs.nvme else ()
+        ports = self._run("nvmet_ports", self.read_nvmet_ports, unread) if needs.nvme else ()
+        problems.extend(p for found in unread.values() for p in found)
         sriov, sriov_problems = self.read_sriov() if needs.sriov else no_sriov()
         problems.extend(sriov_problems)
         return NodeSnapshot(
@@ -329,6 +331,7 @@ class Observer:
             nvmet_ports=ports,
             sriov=sriov,
             problems=tuple(problems),
+            read_problems=MappingProxyType(unread),
         )
 
     def _listing(self, rel: str, problems: list[str]) -> list[str]:
@@ -340,9 +343,10 @@ class Observer:
             return []
 
     @staticmethod
-    def _run(reader: Reader, problems: list[str]) -> tuple[Any, ...]:
+    def _run(field: str, reader: Reader, unread: dict[str, tuple[str, ...]]) -> tuple[Any, ...]:
         facts, found = reader()
-        problems.extend(found)
+        if found:
+            unread[field] = tuple(found)
         return facts
 
     def _read_disk(self, wanted: tuple[DiskNeed, ...], kernel: str) -> dict[str, DiskModule]:
@@ -523,54 +527,97 @@ def parse_mountinfo(text: str) -> tuple[tuple[Mount, ...], int]:
     return tuple(out), bad
 
 
+_TRANSPORT = re.compile(r"[a-z][a-z0-9-]{0,31}")
+# An older kernel's controller may lack these; its transport it always has.
+_OPTIONAL_NVME = frozenset({"subsysnqn", "address"})
+
+
+def _list_entries(host: HostRoot, rel: str) -> tuple[list[str], list[str]]:
+    """Names in a sysfs/configfs directory ([] when missing) and why it could not be listed
+    (a file where the directory should be, no permission, an I/O error)."""
+    try:
+        return host.listdir(rel, strict=True), []
+    except OSError as exc:
+        return [], [f"{rel} unreadable: {exc.strerror}"]
+
+
+def _read_attrs(
+    host: HostRoot, d: str, attrs: tuple[str, ...], missing_ok: frozenset[str]
+) -> tuple[dict[str, str], list[str]]:
+    """Small attributes of one device directory ("" when unreadable) and what went wrong."""
+    values: dict[str, str] = {}
+    problems: list[str] = []
+    for attr in attrs:
+        try:
+            values[attr] = host.read_text(f"{d}/{attr}", 4096).strip()
+        except FileNotFoundError:
+            values[attr] = ""
+            if attr not in missing_ok:
+                problems.append(f"{attr} does not exist")
+        except OSError as exc:
+            values[attr] = ""
+            problems.append(f"{attr} unreadable: {exc.strerror}")
+    return values, problems
+
+
+def _transport(raw: str, attr: str, problems: list[str]) -> str:
+    """A transport name as the kernel writes it, else "unknown" (and why, unless it was empty)."""
+    if _TRANSPORT.fullmatch(raw):
+        return raw
+    if raw:
+        problems.append(f"{attr} is {raw[:40]!r} (not a transport name)")
+    return "unknown"
+
+
 def read_nvme(host: HostRoot, rel: str) -> tuple[tuple[NvmeController, ...], list[str]]:
-    """Controllers under /sys/class/nvme: transport, subsystem NQN, address."""
+    """Controllers under /sys/class/nvme: transport, subsystem NQN, address.
+
+    What cannot be read rides on the controller (``problem``; transport
+    "unknown"); a class directory that cannot be listed is the reader's problem.
+    """
     out: list[NvmeController] = []
-    for name in host.listdir(rel):
+    names, unlisted = _list_entries(host, rel)
+    for name in names:
         if not re.fullmatch(r"nvme\d{1,5}", name):
             continue
-        values: dict[str, str] = {}
-        problem = None
-        for attr in ("transport", "subsysnqn", "address"):
-            try:
-                values[attr] = host.read_text(f"{rel}/{name}/{attr}", 4096).strip()
-            except FileNotFoundError:
-                values[attr] = ""
-            except OSError as exc:
-                values[attr] = ""
-                problem = f"{attr} unreadable: {exc.strerror}"
+        values, problems = _read_attrs(
+            host, f"{rel}/{name}", ("transport", "subsysnqn", "address"), _OPTIONAL_NVME
+        )
         out.append(
             NvmeController(
                 name=name,
-                transport=values["transport"] or "unknown",
+                transport=_transport(values["transport"], "transport", problems),
                 subsysnqn=values["subsysnqn"],
                 address=values["address"],
-                problem=problem,
+                problem="; ".join(problems) or None,
             )
         )
-    return tuple(out), []
+    return tuple(out), unlisted
 
 
 def read_nvmet_ports(host: HostRoot, rel: str) -> tuple[tuple[NvmetPort, ...], list[str]]:
-    """NVMe-oF target ports in configfs: transport, address and linked subsystems."""
+    """NVMe-oF target ports in configfs: transport, address and linked subsystems.
+
+    What cannot be read rides on the port (``problem``; transport "unknown").
+    """
     out: list[NvmetPort] = []
-    problems: list[str] = []
-    for name in host.listdir(rel):
+    names, unlisted = _list_entries(host, rel)
+    for name in names:
         if not is_decimal(name):
             continue
-        values: dict[str, str] = {}
-        for attr in ("addr_trtype", "addr_traddr", "addr_trsvcid"):
-            try:
-                values[attr] = host.read_text(f"{rel}/{name}/{attr}", 4096).strip()
-            except OSError as exc:
-                values[attr] = ""
-                problems.append(f"{rel}/{name}/{attr} unreadable: {exc.strerror}")
+        d = f"{rel}/{name}"
+        values, problems = _read_attrs(
+            host, d, ("addr_trtype", "addr_traddr", "addr_trsvcid"), frozenset()
+        )
+        subsystems, unlinked = _list_entries(host, f"{d}/subsystems")
+        problems += [p.removeprefix(f"{d}/") for p in unlinked]
         out.append(
             NvmetPort(
                 name=name,
-                transport=values["addr_trtype"] or "unknown",
+                transport=_transport(values["addr_trtype"], "addr_trtype", problems),
                 address=f"{values['addr_traddr']}:{values['addr_trsvcid']}",
-                subsystems=tuple(host.listdir(f"{rel}/{name}/subsystems")),
+                subsystems=tuple(subsystems),
+                problem="; ".join(problems) or None,
             )
         )
-    return tuple(out), problems
+    return tuple(out), unlisted

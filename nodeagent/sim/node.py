@@ -36,6 +36,8 @@ READY = "run/mellanox/drivers/.driver-ready"
 LOCK = "run/mellanox/drivers/.lock"
 LOCKS = "proc/locks"
 MOUNTINFO = "proc/1/mountinfo"
+# A booted host always has a mount table (the storage guard refuses to act without one).
+ROOT_MOUNT = "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw,errors=remount-ro"
 BLACKLIST = "etc/modprobe.d/blacklist-ofed-modules.conf"
 GATE = "run/nodeagent/peermem.gate"  # what the agent publishes; no operator container reads it
 CTR_READY = "run/nvidia/validations/.driver-ctr-ready"
@@ -93,6 +95,8 @@ class Node:
             "proc/1",
         ):
             (self.root / d).mkdir(parents=True, exist_ok=True)
+        if not (self.root / MOUNTINFO).exists():
+            (self.root / MOUNTINFO).write_text(ROOT_MOUNT + "\n")
 
     # -- where things are -------------------------------------------------------
 
