@@ -410,3 +410,27 @@ def test_an_unreadable_reader_holds_back_only_the_module_it_could_name_users_of(
     assert d.verdict.verdict == "blocking"
     order = [a.module for a in d.actions if isinstance(a, UnloadModule)]
     assert order[0] == "rpcrdma" and "nvme_rdma" not in order
+
+
+def test_an_unreadable_lock_table_with_the_flag_absent_is_not_clear() -> None:
+    """MOFED may be installing right now: the agent neither calls that clear nor acts."""
+    locks = "proc/locks is unreadable: is a FIFO, not a regular file"
+    d = GUARD.decide(unread(node(*INBOX, *CHAIN), "locks", locks), GUARD.initial_memory())
+    assert (d.verdict.verdict, d.verdict.ok, d.actions) == ("unknown", False, ())
+    assert d.verdict.reasons[0].startswith(
+        f"cannot tell whether MOFED is about to install ({locks})"
+    )
+    # A hold already there stays (a stale one is removed only when the lock reads clear).
+    d = GUARD.decide(unread(node(*INBOX, hold=True), "locks", locks), GUARD.initial_memory())
+    assert (d.verdict.verdict, d.verdict.ok, d.actions) == ("holding", True, ())
+    assert d.verdict.reasons == (
+        f"keeping the hold: cannot tell whether MOFED is about to install ({locks})",
+    )
+    # Nothing loaded and nothing held: nothing at stake, clear.
+    d = GUARD.decide(unread(node(*INBOX), "locks", locks), GUARD.initial_memory())
+    assert (d.verdict.verdict, d.verdict.ok) == ("clear", True)
+    # MOFED ready: the lock does not matter.
+    d = GUARD.decide(
+        unread(node(*INBOX, *CHAIN, ready=True), "locks", locks), GUARD.initial_memory()
+    )
+    assert (d.verdict.verdict, d.verdict.ok) == ("clear", True)

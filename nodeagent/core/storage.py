@@ -12,7 +12,9 @@ guard acts per node, in order, only when safe, and puts things back:
   (storage modules loaded while MOFED is pending: MOFED will refuse),
   ``in-use`` (loaded, and used by something that is not a module: an RDMA
   mount, an NVMe-oF controller ...; or who uses it cannot be read),
-  ``holding`` (the agent removed them and holds them out until MOFED is ready).
+  ``holding`` (the agent removed them and holds them out until MOFED is ready),
+  ``unknown`` (the flag absent, storage modules loaded, /proc/locks unreadable:
+  MOFED may be installing; no action, not ok; a hold already there is kept).
 - **Actions** (policy ``unload`` | ``hold`` | ``off``): remove the loaded storage
   modules and what of their chain nothing else needs, holders first, in the
   order the holders graph gives (sequence: stop at the first failure); with
@@ -255,6 +257,13 @@ class StorageGuard:
         pending += [f"{m} exists" for m in pol.pending_markers if snap.file(m).present]
         hold = snap.file(pol.hold_file)
         loaded = [m for m in pol.roots if m in snap.modules]
+        # The flag absent and the lock table unreadable: MOFED may be installing right now.
+        locks_unread = snap.read_problems.get("locks", ()) if not ready and not pending else ()
+        lock_unknown = (
+            f"cannot tell whether MOFED is about to install ({'; '.join(locks_unread)})"
+            if locks_unread
+            else ""
+        )
         evidence: dict[str, Any] = {
             "policy": pol.policy,
             "mofed_pending": pending,
@@ -326,9 +335,18 @@ class StorageGuard:
                             )
                         why = "MOFED is pending and refuses to install over storage modules"
                         actions += [UnloadModule(self.name, m, why) for m in order]
-        elif hold.present and (pending or (memory.removed and not ready)):
-            # Until MOFED is ready: a crash-looping MOFED is not pending between its tries.
+        elif hold.present and (pending or (memory.removed and not ready) or lock_unknown):
+            # Until MOFED is ready: a crash-looping MOFED is not pending between its tries,
+            # and a lock the agent cannot read may be MOFED's: the hold stays.
             verdict = "holding"
+            if lock_unknown:
+                reasons.append(f"keeping the hold: {lock_unknown}")
+        elif loaded and lock_unknown:
+            verdict = "unknown"  # fail closed: no action, and not ok
+            reasons.append(
+                f"{lock_unknown}; storage modules {', '.join(loaded)} are loaded, and MOFED "
+                "refuses to install over them: the agent acts once it can read the lock"
+            )
         else:
             verdict = "clear"
             if hold.present and pol.policy != "off":
