@@ -92,6 +92,11 @@ def directory(rel: str) -> Setup:
     return go
 
 
+def loop(rel: str) -> Setup:
+    """``rel`` replaced by a symlink to itself (ELOOP on every open)."""
+    return link(rel, rel.rpartition("/")[2])
+
+
 def link(rel: str, target: str) -> Setup:
     def go(root: Path) -> None:
         p = root / rel
@@ -323,6 +328,8 @@ CASES = [
     check("validations-10000-markers", many_validations(10_000), "open", "more left out"),
     check("validations-is-a-file", put(VALIDATIONS, "x"), "open"),
     check("validations-fifo", fifo(VALIDATIONS), "open"),
+    check("validations-symlink-loop", loop(VALIDATIONS), "open", "run/nvidia/validations unreadable"),
+    check("holders-symlink-loop", loop(f"{MLX}/holders"), "open", "holders unreadable"),
     check("mofed-lock-fifo", fifo("run/mellanox/drivers/.lock"), "open"),
     # -- .ko files and compression bombs
     check("peermem-ko-empty", put(PEER, b""), "closed", "cannot verify nvidia_peermem.ko", "not an ELF file"),
@@ -406,6 +413,7 @@ CASES = [
     cmd("gate-fifo", fifo(GATE), WAIT0, 1, "unreadable", "FIFO"),
     cmd("gate-symlink", link(GATE, "/etc/hostname"), WAIT0, 1, "unreadable"),
     cmd("gate-fresh", gate_confirmed(-5), WAIT0, 0, "open"),
+    cmd("gate-confirmed-in-the-future", gate_confirmed(-3600), WAIT0, 1, "in the future"),
     # -- config and command line
     cmd("config-fifo", fifo("c.toml"), CFG, 2, "not a regular file"),
     cmd("config-directory", directory("c.toml"), CFG, 2, "not a regular file"),
@@ -413,6 +421,8 @@ CASES = [
     cmd("config-inf", config("resync_seconds = inf"), CFG, 2, "resync_seconds"),
     cmd("config-keep-fraction", config("timeline_keep = 1.5"), CFG, 2, "config timeline_keep: expected a whole number, got 1.5"),
     cmd("config-sriov-parallel-fraction", config("[sriov]\nparallel = 2.5"), CFG, 2, "config sriov.parallel: expected a whole number"),
+    cmd("config-hold-file-is-mofeds-flag", config('[storage]\nhold_file = "run/mellanox/drivers/.driver-ready"'), CFG, 2, "config storage.hold_file", "must be a NAME.conf file"),
+    cmd("config-hold-file-is-mofeds-blacklist", config('[storage]\nhold_file = "etc/modprobe.d/blacklist-ofed-modules.conf"'), CFG, 2, "is MOFED's own file"),
     cmd("config-sriov-parallel-zero", config("[sriov]\nparallel = 0"), CFG, 2, "config sriov.parallel: 0 is outside 1..256"),
     cmd("config-binary", put("c.toml", b"\xff\xfe"), CFG, 2, "does not parse as TOML"),
     cmd("config-shell-in-module", config('[peermem]\nrdma_stack = ["$(reboot)"]'), CFG, 2, "invalid kernel module"),

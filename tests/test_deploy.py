@@ -40,7 +40,8 @@ ALERTS = {
     "NodeagentNotReconciling",
     "NodeagentModuleLoadFailed",
 }
-WRITTEN_HOST_PATHS = {"/run/nodeagent", "/var/lib/nodeagent"}
+# /etc/modprobe.d: the storage guard's default policy "hold" writes its hold file there.
+WRITTEN_HOST_PATHS = {"/run/nodeagent", "/var/lib/nodeagent", "/etc/modprobe.d"}
 
 
 def kubectl() -> str:

@@ -196,6 +196,27 @@ def test_a_symlink_cannot_leave_the_root(tmp_path: Path, resolver: str) -> None:
     assert host.read_bytes("up", follow=True) == b"node's"
 
 
+def test_a_bad_file_is_set_aside_only_inside_the_root(tmp_path: Path) -> None:
+    """Moving a corrupt state or snapshot file aside never follows a symlinked directory."""
+    host_root = tmp_path / "host"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sriov.json").write_bytes(b"the container's own file")
+    (host_root / "var/lib").mkdir(parents=True)
+    (host_root / "var/lib/nodeagent").symlink_to(outside)
+    host = HostRoot(host_root)
+    with pytest.raises((OSError, fs.NodeagentError)):
+        host.set_aside("var/lib/nodeagent/sriov.json", "sriov.json.corrupt")
+    assert sorted(os.listdir(outside)) == ["sriov.json"]
+    real = host_root / "run/nodeagent"
+    real.mkdir(parents=True)
+    (real / "state.json").write_bytes(b"{")
+    host.set_aside("run/nodeagent/state.json", "state.json.bad-1")
+    assert sorted(os.listdir(real)) == ["state.json.bad-1"]
+    with pytest.raises(fs.NodeagentError, match="not a file name"):
+        host.set_aside("run/nodeagent/state.json.bad-1", "../escape")
+
+
 def test_a_fifo_is_refused_without_blocking(tmp_path: Path, resolver: str) -> None:
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(fs.NotRegularFile, match="FIFO"):

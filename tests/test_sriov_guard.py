@@ -462,6 +462,13 @@ def test_snapshot_with_a_mac_that_does_not_parse_names_it() -> None:
     )
 
 
+def test_a_pf_in_a_five_digit_pci_domain_round_trips() -> None:
+    """VMD puts devices in domains like 10000: a snapshot of one is not 'corrupt'."""
+    doc = _doc()
+    doc["pfs"][0]["pci"] = "10000:e1:00.0"  # type: ignore[index]
+    assert list(snapshot_from_json(doc)) == ["10000:e1:00.0"]
+
+
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [

@@ -18,7 +18,7 @@ from nodeagent.core.sriov import SriovGuard
 from nodeagent.core.sriov_model import SNAPSHOT_VERSION, SriovObservation
 from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.netlink import parse_vfinfo
+from nodeagent.host.netlink import parse_vfinfo, write_sysfs
 from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
@@ -59,6 +59,7 @@ def test_observer_reads_every_vf_through_the_pf_wherever_its_netdev_is(kernel: S
         json.dumps({"name": "rdma-net", "deviceID": pod_vf, "ContIFNames": "net1"})
     )
     (cache / "broken-net2").write_text("{not json")
+    (cache / "deep-net3").write_text("[" * 30_000 + "]" * 30_000)  # deeper than json goes
     obs = observer(kernel).observe()
     pf = obs.pfs[PF_PCI]
     assert (pf.driver, pf.netdev, pf.numvfs, pf.totalvfs) == ("mlx5_core", PF, 4, 8)
@@ -74,14 +75,47 @@ def test_observer_reads_every_vf_through_the_pf_wherever_its_netdev_is(kernel: S
         (pod_vf, "rdma-net", "net1")
     ]
     assert any("broken-net2" in p for p in obs.problems)
+    assert any("deep-net3" in p for p in obs.problems)
 
 
-def test_malformed_sysfs_values_are_problems_not_crashes(kernel: SimKernel) -> None:
+@pytest.mark.parametrize(
+    ("plant", "problem"),
+    [
+        (lambda f: f.write_text("four\n"), "is 'four', not a VF count (0..65535)"),
+        (lambda f: f.write_text("9" * 26 + "\n"), "not a VF count (0..65535)"),
+        (lambda f: (f.unlink(), os.mkfifo(f)), "unreadable: is a FIFO"),  # never blocks
+        (lambda f: (f.unlink(), f.mkdir()), "unreadable"),
+    ],
+    ids=["word", "huge", "fifo", "directory"],
+)
+def test_malformed_sysfs_values_are_problems_not_crashes(
+    kernel: SimKernel, plant: Any, problem: str
+) -> None:
     dev = kernel.root / kernel.PCI_PARENT / PF_PCI
-    (dev / "sriov_numvfs").write_text("four\n")
+    plant(dev / "sriov_numvfs")
     pf = observer(kernel).observe().pfs[PF_PCI]
     assert pf.numvfs is None
-    assert pf.problems == (f"sys/bus/pci/devices/{PF_PCI}/sriov_numvfs is 'four', not a count",)
+    assert len(pf.problems) == 1
+    assert pf.problems[0].startswith(f"sys/bus/pci/devices/{PF_PCI}/sriov_numvfs ")
+    assert problem in pf.problems[0]
+
+
+def test_a_pf_linked_out_of_the_root_is_read_and_written_inside_it(
+    kernel: SimKernel, tmp_path: Path
+) -> None:
+    """An absolute link under sys/bus/pci/devices resolves inside the host root, as if
+    chrooted: the container's own files are neither read nor written."""
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()
+    (outside / "sriov_numvfs").write_text("3\n")
+    (outside / "sriov_totalvfs").write_text("8\n")
+    link = kernel.root / "sys/bus/pci/devices/0000:09:00.0"
+    link.symlink_to(outside)
+    obs = observer(kernel).observe()
+    assert "0000:09:00.0" not in obs.pfs
+    with pytest.raises(OSError):
+        write_sysfs(HostRoot(kernel.root), "sys/bus/pci/devices/0000:09:00.0/sriov_numvfs", "0\n")
+    assert (outside / "sriov_numvfs").read_text() == "3\n"
 
 
 def mofed_ready_snapshot(now: float, sriov: SriovObservation) -> NodeSnapshot:
@@ -263,7 +297,20 @@ def test_store_writes_only_on_change_and_never_an_empty_snapshot(kernel: SimKern
     [
         (b"{truncated", "is corrupt: "),
         (b'{"schema": "nodeagent-sriov", "version": 7, "pfs": []}', "schema version 7 is not 1"),
+        (b"[" * 100_000 + b"]" * 100_000, "is corrupt: "),  # deeper than the parser goes
+        (b'{"schema": "nodeagent-sriov", "version": 1, "pfs": [], "x": NaN}', "not a finite"),
+        (
+            json.dumps(
+                {
+                    "schema": "nodeagent-sriov",
+                    "version": 1,
+                    "pfs": [{"pci": PF_PCI, "numvfs": 1, "vfs": [], "attachments": 5}],
+                }
+            ).encode(),
+            "attachments is not a list",
+        ),
     ],
+    ids=["truncated", "version", "deep", "nan", "attachments"],
 )
 def test_bad_snapshot_file_is_moved_aside_and_reported(
     kernel: SimKernel, content: bytes, why: str

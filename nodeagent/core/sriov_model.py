@@ -21,10 +21,12 @@ Via = Literal["pf", "netdev"]
 LINK_STATES = ("auto", "enable", "disable")
 SNAPSHOT_SCHEMA = "nodeagent-sriov"
 SNAPSHOT_VERSION = 1
+MAX_VFS = 65535  # sriov_totalvfs is a 16-bit field in the SR-IOV capability
 
 _MAC = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){5}")
 _GUID = re.compile(r"[0-9a-f]{2}(:[0-9a-f]{2}){7}")
-_PCI = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+# The kernel prints the domain with %04x: VMD and some hosts have 5-digit domains.
+_PCI = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
 class SriovValueError(ValueError):
@@ -114,7 +116,7 @@ def check_settings(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def check_pci(v: Any, where: str) -> str:
     if not isinstance(v, str) or not _PCI.fullmatch(v):
-        raise SriovValueError(f"{where}: {v!r} is not a PCI address (dddd:bb:dd.f)")
+        raise SriovValueError(f"{where}: {v!r} is not a PCI address (dddd[dddd]:bb:dd.f)")
     return v
 
 
@@ -338,7 +340,7 @@ def saved_pf_from_json(d: Any, where: str) -> SavedPf:
         raise SriovValueError(f"{where}: not an object")
     pci = check_pci(d.get("pci"), f"{where}.pci")
     numvfs = d.get("numvfs")
-    if isinstance(numvfs, bool) or not isinstance(numvfs, int) or numvfs < 0:
+    if isinstance(numvfs, bool) or not isinstance(numvfs, int) or not 0 <= numvfs <= MAX_VFS:
         raise SriovValueError(f"{where}: numvfs is {numvfs!r}, not a count")
     saved_at = d.get("saved_at", 0.0)
     if isinstance(saved_at, bool) or not isinstance(saved_at, int | float):
@@ -375,8 +377,11 @@ def saved_pf_from_json(d: Any, where: str) -> SavedPf:
                 netdev_ident=_opt_int(raw.get("netdev_ident"), f"{w}.netdev_ident"),
             )
         )
+    raw_atts = d.get("attachments", [])
+    if not isinstance(raw_atts, list):
+        raise SriovValueError(f"{where}: attachments is not a list")
     atts = []
-    for n, raw in enumerate(d.get("attachments") or []):
+    for n, raw in enumerate(raw_atts):
         w = f"{where}.attachments[{n}]"
         if not isinstance(raw, Mapping):
             raise SriovValueError(f"{w}: not an object")

@@ -28,6 +28,7 @@ references without holders, and must not block it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -86,6 +87,32 @@ class StoragePolicy:
         return tuple(dict.fromkeys(ALIASES.get(m, m) for m in self.modules))
 
 
+# Where modprobe reads configuration (modprobe.d(5)); a hold file elsewhere holds nothing.
+MODPROBE_DIRS = (
+    "etc/modprobe.d",
+    "run/modprobe.d",
+    "usr/local/lib/modprobe.d",
+    "lib/modprobe.d",
+    "usr/lib/modprobe.d",
+)
+_CONF_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.conf")
+
+
+def _hold_file(value: Any) -> str:
+    """A ``.conf`` file of our own in a modprobe.d directory: the agent writes and removes it,
+    so it must not name anything else (MOFED's blacklist, its ready flag)."""
+    rel = cfgval.check_relpath("storage.hold_file", value)
+    parent, _, name = rel.strip("/").rpartition("/")
+    if parent not in MODPROBE_DIRS or not _CONF_NAME.fullmatch(name):
+        raise NodeagentError(
+            f"config storage.hold_file: {value!r} must be a NAME.conf file in one of "
+            f"{', '.join(MODPROBE_DIRS)}"
+        )
+    if name == "blacklist-ofed-modules.conf":
+        raise NodeagentError(f"config storage.hold_file: {value!r} is MOFED's own file")
+    return rel
+
+
 def parse_policy(table: Mapping[str, Any], pol: StoragePolicy) -> StoragePolicy:
     """``[storage]`` of the config file over ``pol``; NodeagentError naming a bad value."""
     cfgval.reject_unknown(
@@ -111,7 +138,7 @@ def parse_policy(table: Mapping[str, Any], pol: StoragePolicy) -> StoragePolicy:
     if "reload" in table:
         pol = replace(pol, reload=cfgval.boolean("storage.reload", table["reload"]))
     if "hold_file" in table:
-        pol = replace(pol, hold_file=cfgval.check_relpath("storage.hold_file", table["hold_file"]))
+        pol = replace(pol, hold_file=_hold_file(table["hold_file"]))
     if "pending_markers" in table:
         markers = table["pending_markers"]
         if not isinstance(markers, list):

@@ -365,6 +365,23 @@ class HostRoot:
         finally:
             os.close(dfd)
 
+    def set_aside(self, rel: str, new_name: str) -> None:
+        """Rename file ``rel`` to ``new_name`` in the same directory (a bad file kept, not lost).
+
+        Through the directory's descriptor, as every agent write: a symlinked
+        directory on the way is refused, never followed out of the root.
+        """
+        parent, _, name = rel.strip("/").rpartition("/")
+        if "/" in new_name or new_name in ("", ".", ".."):
+            raise NodeagentError(f"{new_name!r} is not a file name")
+        dfd = self.open_dir(parent, create=False)
+        try:
+            os.replace(name, new_name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            with contextlib.suppress(OSError):
+                os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
     def remove(self, rel: str) -> bool:
         """Remove a file (never a directory); a missing file is fine. True when something went."""
         parent, _, name = rel.strip("/").rpartition("/")

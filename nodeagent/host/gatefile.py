@@ -12,8 +12,10 @@ A gate file exists only while the last completed pass decided that gate open
 The file holds ``{"guard", "confirmed_at", "resync_seconds", "pid"}``. A dead
 agent cannot withdraw anything, so readers (``wait``, ``status``) treat a
 gate confirmed more than ``STALE_INTERVALS`` resync intervals ago as closed,
-and say since when the agent has not reconciled. Anything else at that path
-(a symlink, a directory, a FIFO, bad JSON) reads as closed, with a reason.
+and say since when the agent has not reconciled; one confirmed in the future
+(the clock stepped back) is closed too, until the next pass confirms it again.
+Anything else at that path (a symlink, a directory, a FIFO, bad JSON) reads as
+closed, with a reason.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nodeagent.host.fs import MARKER_MAX, HostRoot
 from nodeagent.host.state import dumps, strict_json
 
 STALE_INTERVALS = 3
+FUTURE_TOLERANCE_S = 5.0  # clocks slewed by NTP; a step back larger than this is noticed
 GATE_VERSION = 1
 
 
@@ -46,6 +49,13 @@ def when(t: float) -> str:
 def stale_reason(confirmed_at: float, resync_seconds: float, now: float) -> str | None:
     """Why a pass confirmed at ``confirmed_at`` no longer vouches for anything, or None."""
     age = now - confirmed_at
+    # A pass confirmed in the future vouches for nothing: the clock moved back (or
+    # the file was not the agent's), and its age would stay negative for as long.
+    if age < -max(FUTURE_TOLERANCE_S, resync_seconds):
+        return (
+            f"confirmed at {when(confirmed_at)}, {-age:.0f}s in the future "
+            "(the clock moved back?); the next pass confirms it again"
+        )
     if age > STALE_INTERVALS * resync_seconds:
         return (
             f"agent not reconciling since {when(confirmed_at)} ({age:.0f}s ago; "

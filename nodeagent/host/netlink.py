@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -212,9 +213,15 @@ class PyrouteOps:
 
 
 def write_sysfs(host: HostRoot, rel: str, text: str) -> None:
-    """One write(2) to a sysfs attribute, as ``echo`` does (no temp file, no rename)."""
-    fd = os.open(host.path(rel), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """One write(2) to a sysfs attribute, as ``echo`` does (no temp file, no rename).
+
+    Resolved inside the host root and non-blocking; only a regular file (a sysfs
+    attribute is one) is written: never a FIFO, a device or a path out of the root.
+    """
+    fd = host.open(rel, os.O_WRONLY | os.O_NONBLOCK)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{rel} is not a regular file; not written")
         os.write(fd, text.encode())
     finally:
         os.close(fd)

@@ -40,6 +40,7 @@ from nodeagent.core.snapshot import (
     TextFact,
 )
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
+from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import (
@@ -170,7 +171,9 @@ class Observer:
             except ModuleFileError as exc:
                 problems.append(str(exc))
         holders = tuple(
-            normalize_module_name(h) for h in self.host.listdir(f"{d}/holders") if is_module_name(h)
+            normalize_module_name(h)
+            for h in self._listing(f"{d}/holders", problems)
+            if is_module_name(h)
         )
         return LoadedModule(
             name=normalize_module_name(name),
@@ -319,7 +322,7 @@ class Observer:
                 }
             ),
             listings=MappingProxyType(
-                {d: tuple(self.host.listdir(d)) for d in sorted(needs.listings)}
+                {d: tuple(self._listing(d, problems)) for d in sorted(needs.listings)}
             ),
             texts=MappingProxyType({t: self.read_text_fact(t) for t in sorted(needs.texts)}),
             locks=locks,
@@ -330,6 +333,14 @@ class Observer:
             problems=tuple(problems),
             read_problems=MappingProxyType(unread),
         )
+
+    def _listing(self, rel: str, problems: list[str]) -> list[str]:
+        """A directory's names; unreadable (a symlink loop, a file) is a problem, not a crash."""
+        try:
+            return self.host.listdir(rel)
+        except (OSError, NodeagentError) as exc:
+            problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
+            return []
 
     @staticmethod
     def _run(field: str, reader: Reader, unread: dict[str, tuple[str, ...]]) -> tuple[Any, ...]:

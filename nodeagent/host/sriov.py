@@ -26,6 +26,7 @@ from typing import Any
 
 from nodeagent.core.names import is_decimal
 from nodeagent.core.sriov_model import (
+    MAX_VFS,
     NETDEV_SIDE,
     PF_SIDE,
     VF_FIELDS,
@@ -39,8 +40,10 @@ from nodeagent.core.sriov_model import (
     snapshot_from_json,
     snapshot_to_json,
 )
+from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.netlink import SriovOps
+from nodeagent.host.state import strict_json
 
 PCI_DEVICES = "sys/bus/pci/devices"
 SNAPSHOT_REL = "var/lib/nodeagent/sriov.json"
@@ -48,59 +51,68 @@ CNI_CACHE_REL = "var/lib/cni/sriov"
 
 
 class Sysfs:
-    """Fast sysfs reads under the host root (127 VFs are read on every pass).
+    """SR-IOV sysfs reads, every one resolved inside the host root (as if chrooted).
 
-    Relative paths built from sysfs names (never from input): joined as strings,
-    without the per-call path parsing of ``HostRoot.path``.
+    sysfs's own links are relative and stay inside; a planted absolute link
+    resolves inside the root too, never in the container's filesystem.
     """
 
     def __init__(self, host: HostRoot) -> None:
-        self.root = str(host.root).rstrip("/") or ""
+        self.host = host
+
+    def _stat(self, rel: str) -> os.stat_result | None:
+        try:
+            fd = self.host.open(rel, os.O_PATH, follow=True)
+        except (OSError, NodeagentError):
+            return None
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     def link_name(self, rel: str) -> str | None:
         """The last component of a symlink's target (``driver`` -> ``mlx5_core``)."""
+        parent, _, name = rel.rpartition("/")
         try:
-            return os.path.basename(os.readlink(f"{self.root}/{rel}"))
+            dfd = self.host.open(parent, os.O_PATH | os.O_DIRECTORY, follow=True)
+        except (OSError, NodeagentError):
+            return None
+        try:
+            return os.path.basename(os.readlink(name, dir_fd=dfd))
         except OSError:
             return None
+        finally:
+            os.close(dfd)
 
     def listdir(self, rel: str) -> list[str]:
         try:
-            return sorted(os.listdir(f"{self.root}/{rel}"))
-        except OSError:
+            return self.host.listdir(rel)
+        except (OSError, NodeagentError):
             return []
 
     def ident(self, rel: str) -> int | None:
         """The inode of a sysfs directory: a device destroyed and created again gets another."""
-        try:
-            return os.stat(f"{self.root}/{rel}").st_ino
-        except OSError:
-            return None
+        st = self._stat(rel)
+        return None if st is None else st.st_ino
 
     def first_netdev(self, dev: str) -> str | None:
         names = self.listdir(f"{dev}/net")
         return names[0] if names else None
 
     def exists(self, rel: str) -> bool:
-        return os.path.exists(f"{self.root}/{rel}")
+        return self._stat(rel) is not None
 
     def read_count(self, rel: str, problems: list[str]) -> int | None:
+        """A VF count: non-blocking, regular files only, at most ``MAX_VFS``."""
         try:
-            fd = os.open(f"{self.root}/{rel}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            raw = self.host.read_text(rel, 64).strip()
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            problems.append(f"{rel} unreadable: {exc.strerror}")
+        except (OSError, NodeagentError) as exc:
+            problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
             return None
-        try:
-            raw = os.read(fd, 64).decode("ascii", errors="replace").strip()
-        except OSError as exc:
-            problems.append(f"{rel} unreadable: {exc.strerror}")
-            return None
-        finally:
-            os.close(fd)
-        if not is_decimal(raw):
-            problems.append(f"{rel} is {raw[:20]!r}, not a count")
+        if not is_decimal(raw) or int(raw) > MAX_VFS:
+            problems.append(f"{rel} is {raw[:20]!r}, not a VF count (0..{MAX_VFS})")
             return None
         return int(raw)
 
@@ -231,11 +243,16 @@ class SriovObserver:
     def read_cni_cache(self, problems: list[str]) -> tuple[CniAttachment, ...]:
         """sriov-cni's ``<container>-<ifname>`` files: the NetConf it saved at attach time."""
         out = []
-        for name in self.host.listdir(self.cni_cache):
+        try:
+            names = self.host.listdir(self.cni_cache)
+        except (OSError, NodeagentError) as exc:
+            problems.append(f"{self.cni_cache} unreadable: {getattr(exc, 'strerror', None) or exc}")
+            names = []
+        for name in names:
             rel = f"{self.cni_cache}/{name}"
             try:
                 conf = json.loads(self.host.read_bytes(rel, 1 << 16))
-            except (OSError, ValueError, UnicodeDecodeError) as exc:
+            except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
                 problems.append(f"{rel}: unreadable sriov-cni cache entry ({exc})")
                 continue
             if not isinstance(conf, dict) or not isinstance(conf.get("deviceID"), str):
@@ -281,8 +298,9 @@ class SriovStore:
             return self._loaded
         try:
             data = self.host.read_bytes(self.rel, 1 << 24)
-            pfs = snapshot_from_json(json.loads(data))
-        except (OSError, ValueError, UnicodeDecodeError) as exc:  # SriovValueError is a ValueError
+            pfs = snapshot_from_json(strict_json(data))
+        # SriovValueError is a ValueError; RecursionError: nesting deeper than the parser goes
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             self._loaded = PersistedSnapshot(problem=self._set_aside(f"is corrupt: {exc}"))
             return self._loaded
         self._written = data
@@ -292,13 +310,12 @@ class SriovStore:
     def _set_aside(self, why: str) -> str:
         if self.read_only:
             return f"{self.rel} {why}"
-        src = self.host.path(self.rel)
-        dst = src.with_name(f"{src.name}.corrupt")
+        dst = f"{self.rel.rpartition('/')[2]}.corrupt"
         try:
-            os.replace(src, dst)
-            where = f"moved to {dst.name}"
-        except OSError as exc:
-            where = f"could not move it aside: {exc.strerror}"
+            self.host.set_aside(self.rel, dst)
+            where = f"moved to {dst}"
+        except (OSError, NodeagentError) as exc:
+            where = f"could not move it aside: {getattr(exc, 'strerror', None) or exc}"
         self._read_ident = None
         msg = f"{self.rel} {why}; {where}; the snapshot starts from what the node shows"
         self.reports.append(msg)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -98,17 +97,12 @@ class StateStore:
     def _set_aside(self) -> str:
         """Move the bad file to ``state.json.bad-<UTC time>`` so it is reported once, not lost."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.clock()))
-        src = self.host.path(self.memory_rel)
-        dst = src.with_name(f"{src.name}.bad-{stamp}")
+        dst = f"{self.memory_rel.rpartition('/')[2]}.bad-{stamp}"
         try:
-            dfd = self.host.open_dir(self.dir, create=False)
-            try:
-                os.replace(src.name, dst.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            finally:
-                os.close(dfd)
+            self.host.set_aside(self.memory_rel, dst)
         except (OSError, NodeagentError) as exc:
             return f"could not move it aside: {getattr(exc, 'strerror', None) or exc}"
-        return f"moved to {dst.name}"
+        return f"moved to {dst}"
 
     def save_memory(self, guards: Mapping[str, Any]) -> None:
         """``guards``: the reconciler's ``memory_to_json`` document."""
