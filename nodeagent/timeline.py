@@ -17,6 +17,7 @@ import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot, NotRegularFile
 
 
@@ -27,6 +28,7 @@ class Timeline:
         self.directory = directory
         self.max_bytes = max_bytes
         self.keep = keep
+        self.skipped = 0  # lines the last records() skipped: torn, not JSON, not an object
 
     def append(self, record: Mapping[str, Any]) -> None:
         """One O_APPEND write. Raises OSError/NodeagentError (the caller reports it)."""
@@ -57,21 +59,28 @@ class Timeline:
         os.replace(name, f"{name}.1", src_dir_fd=dfd, dst_dir_fd=dfd)
 
     def records(self) -> Iterator[dict[str, Any]]:
-        """Oldest first, across rotated files; a torn or foreign line is skipped."""
+        """Oldest first, across rotated files; a torn or foreign line is skipped and counted
+        in ``skipped``. A file that is there but unreadable (a FIFO, a directory, a
+        symlink) raises NodeagentError naming it: a reader never follows or blocks."""
+        self.skipped = 0
         files = [f"{self.rel}.{i}" for i in range(self.keep, 0, -1)] + [self.rel]
         for rel in files:
             try:
                 fd, _st = self.host.open_regular(rel)
             except FileNotFoundError:
                 continue
+            except OSError as exc:
+                raise NodeagentError(f"{rel}: unreadable: {exc.strerror or exc}") from None
             with open(fd, encoding="utf-8", errors="replace", closefd=True) as fh:
                 for line in fh:
                     try:
                         rec = json.loads(line)
-                    except ValueError:
-                        continue
+                    except (ValueError, RecursionError):  # torn, not JSON, nested too deep
+                        rec = None
                     if isinstance(rec, dict):
                         yield rec
+                    else:
+                        self.skipped += 1
 
 
 # Lists in status.json and in records are cut to this many items, with a note of

@@ -41,6 +41,7 @@ STATE = "run/nodeagent/state.json"
 STATUS = "run/nodeagent/status.json"
 GATE = "run/nodeagent/peermem.gate"
 VALIDATIONS = "run/nvidia/validations"
+TIMELINE = "var/lib/nodeagent/timeline.jsonl"
 RETURN_WITHIN = 30.0  # seconds: a case that has not returned by then hangs (fails)
 
 
@@ -246,6 +247,12 @@ def config(text: str) -> Setup:
     return put("c.toml", text)
 
 
+def timeline(*bad: str) -> Setup:
+    """A timeline of one good record, then the ``bad`` lines."""
+    good = json.dumps({"ts": 1_795_000_000, "kind": "start", "mode": "observe"})
+    return put(TIMELINE, "".join(line + "\n" for line in (good, *bad)))
+
+
 # ------------------------------------------------------------------ the table
 
 
@@ -270,6 +277,8 @@ def cmd(id: str, setup: Setup, argv: tuple[str, ...], rc: int, *words: str) -> C
 NOTHING: Setup = lambda root: None  # noqa: E731
 WAIT0 = ("wait", "peermem", "--timeout", "0")
 CFG = ("check", "--config", "{root}/c.toml")
+TL = ("timeline",)
+TL_HTML = ("timeline", "--format", "html")
 
 CASES = [
     check("healthy-node", NOTHING, "open"),
@@ -426,6 +435,25 @@ CASES = [
     cmd("speed-inf", NOTHING, ("simulate", "--speed", "inf"), 2, "--speed must be within"),
     cmd("speed-nan", NOTHING, ("simulate", "--speed", "nan"), 2, "--speed must be within"),
     cmd("speed-negative", NOTHING, ("simulate", "--speed", "-5"), 2, "--speed must be within"),
+    # -- the timeline (a bad record is skipped and counted; an unreadable file is one line)
+    cmd("timeline-fifo", fifo(TIMELINE), TL, 2, "timeline.jsonl: unreadable", "FIFO"),
+    cmd("timeline-fifo-html", fifo(TIMELINE), TL_HTML, 2, "timeline.jsonl: unreadable", "FIFO"),
+    cmd("timeline-directory", directory(TIMELINE), TL, 2, "timeline.jsonl: unreadable", "directory"),
+    cmd("timeline-symlink-loop", link(TIMELINE, "timeline.jsonl"), TL, 2, "timeline.jsonl: unreadable"),
+    cmd("timeline-rotated-fifo", both(timeline(), fifo(TIMELINE + ".1")), TL, 2, "timeline.jsonl.1: unreadable"),
+    cmd("timeline-deep-nesting", timeline("[" * 50000 + "]" * 50000), TL, 0, "1 records skipped", "running (observe)"),
+    cmd("timeline-deep-nesting-html", timeline("[" * 50000 + "]" * 50000), TL_HTML, 0, "1 records skipped", "<svg"),
+    cmd("timeline-ts-overflow", timeline('{"ts": 1e999, "kind": "decision"}'), TL, 0, "1 records skipped", "running (observe)"),
+    cmd("timeline-ts-overflow-html", timeline('{"ts": 1e999, "kind": "decision"}'), TL_HTML, 0, "1 records skipped", "<svg"),
+    cmd("timeline-ts-very-negative", timeline('{"ts": -1e308, "kind": "decision"}'), TL, 0, "1 records skipped"),
+    cmd("timeline-ts-nan-and-torn", timeline('{"ts": NaN, "kind": "stop"}', '{"ts": 17'), TL_HTML, 0, "2 records skipped"),
+    cmd("timeline-only-bad-records", put(TIMELINE, '{"ts": 1e999, "kind": "decision"}\n'), TL, 1, "1 records skipped", "no timeline records"),
+    cmd("since-inf", NOTHING, (*TL, "--since", "inf"), 2, "--since: 'inf' is not a time between"),
+    cmd("since-1e308", NOTHING, (*TL_HTML, "--since", "1e308"), 2, "--since: '1e308' is not a time between"),
+    cmd("since-1e999", NOTHING, (*TL, "--since", "1e999"), 2, "--since: '1e999' is not a time between"),
+    cmd("since-nan", NOTHING, (*TL, "--since", "nan"), 2, "--since: 'nan' is not a time between"),
+    cmd("since-huge-duration", NOTHING, (*TL, "--since", "99999999999999999999h"), 2, "is not a time between"),
+    cmd("since-year-one", NOTHING, (*TL, "--since", "0001-01-01T00:00:00Z"), 2, "is not a time between"),
     cmd("metrics-port-superscript", NOTHING, ("run", "--once", "--host-root", "{root}", "--metrics-address", "127.0.0.1:9²"), 2, "metrics address '127.0.0.1:9²'"),
 ]  # fmt: skip
 
@@ -437,7 +465,7 @@ def test_the_corpus_is_large_and_ids_are_unique() -> None:
 
 def _with_root(argv: tuple[str, ...], root: Path) -> list[str]:
     out = [a.replace("{root}", str(root)) for a in argv]
-    if out[0] in ("check", "status", "wait"):
+    if out[0] in ("check", "status", "wait", "timeline"):
         out[1:1] = ["--host-root", str(root)]
     return out
 

@@ -13,7 +13,7 @@ from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.timeline import Timeline
 from nodeagent.timeline_view.html import render_html
-from nodeagent.timeline_view.picture import Picture, build_picture
+from nodeagent.timeline_view.picture import DRAWABLE, Picture, build_picture, record_time
 from nodeagent.timeline_view.text import render_text
 
 __all__ = ["FORMATS", "clock_for", "parse_since", "timeline_main"]
@@ -27,7 +27,17 @@ FORMATS: dict[str, Callable[[Picture, Callable[[float], str], str], str]] = {
 
 
 def parse_since(value: str, now: float) -> float:
-    """``30m``/``2h``/``1d`` ago, an ISO 8601 time (UTC unless it says), or epoch seconds."""
+    """``30m``/``2h``/``1d`` ago, an ISO 8601 time (UTC unless it says), or epoch seconds;
+    a time the picture can draw (DRAWABLE), else NodeagentError."""
+    t = _since_time(value, now)
+    if not DRAWABLE[0] <= t <= DRAWABLE[1]:  # also False for NaN
+        raise NodeagentError(
+            f"--since: {value!r} is not a time between 1970-01-01 and 9999-12-31 UTC"
+        )
+    return t
+
+
+def _since_time(value: str, now: float) -> float:
     v = value.strip()
     m = _DURATION.match(v)
     if m:
@@ -61,7 +71,15 @@ def timeline_main(cfg: Config, since: str | None, fmt: str) -> int:
     timeline = Timeline(
         HostRoot(cfg.host_root), cfg.paths.timeline_dir, cfg.timeline_max_bytes, cfg.timeline_keep
     )
-    records = list(timeline.records())
+    read = list(timeline.records())
+    records = [r for r in read if record_time(r) is not None]
+    skipped = timeline.skipped + len(read) - len(records)
+    if skipped:  # said once, on stderr: the picture on stdout stays clean
+        print(
+            f"nodeagent: {skipped} records skipped: torn, not a JSON object, or no time "
+            f"(ts) between 1970 and 9999 in {timeline.rel}*",
+            file=sys.stderr,
+        )
     if not records:
         print(f"nodeagent: no timeline records in {timeline.rel}", file=sys.stderr)
         return 1

@@ -16,7 +16,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LANES", "Lane", "Marker", "Picture", "Segment", "VfBar", "build_picture"]
+__all__ = [
+    "DRAWABLE",
+    "LANES",
+    "Lane",
+    "Marker",
+    "Picture",
+    "Segment",
+    "VfBar",
+    "build_picture",
+    "record_time",
+]
 
 LANES = ("MOFED", "GPU driver", "agent", "kernel")
 Tone = str  # "ok" | "warn" | "bad" | "idle"
@@ -158,9 +168,17 @@ _LANE_STATE: dict[str, Callable[[Mapping[str, Any]], tuple[str, Tone]]] = {
 }
 
 
-def _ts(rec: Mapping[str, Any]) -> float | None:
+# The times the renderers can draw (UTC dates from 1970-01-01 to 9999-12-31): gmtime
+# and strftime overflow or misprint beyond, and an agent never writes such a time.
+DRAWABLE = (0.0, 253402300799.0)
+
+
+def record_time(rec: Mapping[str, Any]) -> float | None:
+    """The record's ``ts``, or None when it is not a number within DRAWABLE (NaN, 1e999)."""
     t = rec.get("ts")
-    if isinstance(t, bool) or not isinstance(t, int | float) or t != t:
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return None
+    if not DRAWABLE[0] <= t <= DRAWABLE[1]:  # also False for NaN
         return None
     return float(t)
 
@@ -174,7 +192,7 @@ def build_picture(
     """``records`` oldest first. ``since``: drop what ended before it (a state that holds
     at ``since`` starts there). ``until``: where the last state ends (default: the last
     record's time)."""
-    recs = [(t, r) for r in records if (t := _ts(r)) is not None]
+    recs = [(t, r) for r in records if (t := record_time(r)) is not None]
     states = {name: _States() for name in _LANE_STATE}
     gates: dict[str, _States] = {}
     agent = _States()
