@@ -447,6 +447,8 @@ CASES = [
     cmd("timeline-ts-overflow-html", timeline('{"ts": 1e999, "kind": "decision"}'), TL_HTML, 0, "1 records skipped", "<svg"),
     cmd("timeline-ts-very-negative", timeline('{"ts": -1e308, "kind": "decision"}'), TL, 0, "1 records skipped"),
     cmd("timeline-ts-nan-and-torn", timeline('{"ts": NaN, "kind": "stop"}', '{"ts": 17'), TL_HTML, 0, "2 records skipped"),
+    cmd("timeline-odd-field-types", timeline('{"ts": 1795000001, "kind": "decision", "guard": ["g"], "verdict": {"a": 1}, "reasons": "r", "events": 5, "ok": "yes"}', '{"ts": 1795000002, "kind": "action", "action": {"x": 1}, "ok": [], "performed": "no", "kernel_messages": {"k": 1}}'), TL, 0, "running (observe)"),
+    cmd("timeline-odd-field-types-html", timeline('{"ts": 1795000001, "kind": "decision", "events": 5, "reasons": 7}'), TL_HTML, 0, "<svg"),
     cmd("timeline-only-bad-records", put(TIMELINE, '{"ts": 1e999, "kind": "decision"}\n'), TL, 1, "1 records skipped", "no timeline records"),
     cmd("since-inf", NOTHING, (*TL, "--since", "inf"), 2, "--since: 'inf' is not a time between"),
     cmd("since-1e308", NOTHING, (*TL_HTML, "--since", "1e308"), 2, "--since: '1e308' is not a time between"),

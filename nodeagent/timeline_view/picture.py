@@ -213,14 +213,14 @@ def build_picture(
         elif kind == "decision":
             guard = str(rec.get("guard"))
             kernel = str(rec["kernel"]) if rec.get("kernel") else kernel
-            reasons = rec.get("reasons") or []
+            reasons = _texts(rec.get("reasons"))
             word = str(rec.get("verdict"))
             # Each guard has its own verdict words; "ok" says whether anything is wrong.
-            ok = rec.get("ok", word == "open")
+            ok = bool(rec.get("ok", word == "open"))
             lane = f"{guard} gate" if rec.get("gate", guard == "peermem") else guard
             label = word if ok or not reasons else f"{word}: {reasons[0]}"
             gates.setdefault(lane, _States()).at(t, label, "ok" if ok else "bad")
-            for e in rec.get("events") or []:
+            for e in _texts(rec.get("events")):
                 markers["agent"].append(Marker(t, f"{guard}: {e}", "idle"))
             ev = rec.get("evidence")
             if guard == "peermem" and isinstance(ev, Mapping):
@@ -247,6 +247,11 @@ def build_picture(
     return Picture(start, end, lanes, gate_lanes, bars, kernel, tuple(modes))
 
 
+def _texts(value: Any) -> list[str]:
+    """A record's list of strings (reasons, events, kernel lines); anything else is none."""
+    return [str(x) for x in value] if isinstance(value, list) else []
+
+
 def _action(
     t: float,
     rec: Mapping[str, Any],
@@ -254,7 +259,7 @@ def _action(
     vfs: dict[tuple[str, int], VfBar],
 ) -> None:
     what = str(rec.get("action"))
-    performed = rec.get("performed", True)
+    performed = bool(rec.get("performed", True))
     ok = bool(rec.get("ok"))
     if not performed:
         markers["agent"].append(Marker(t, f"would {what} (observe mode)", "idle"))
@@ -262,7 +267,7 @@ def _action(
         markers["agent"].append(Marker(t, f"{what}: ok", "ok"))
     else:
         markers["agent"].append(Marker(t, f"{what}: {rec.get('error')}", "bad"))
-        for line in (rec.get("kernel_messages") or [])[:2]:
+        for line in _texts(rec.get("kernel_messages"))[:2]:
             markers["kernel"].append(Marker(t, f"kmsg: {line}", "bad"))
     m = _RESTORE_VF.match(what)
     if m is None or not performed:
