@@ -91,6 +91,24 @@ def is_finite(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def count_field(data: Mapping[str, Any], key: str) -> int:
+    """``data[key]`` as a count (0 when absent); ValueError naming the key otherwise."""
+    value = data.get(key, 0)
+    if not is_count(value):
+        raise ValueError(f"{key} is {value!r}, not a count")
+    return int(value)
+
+
+def time_field(data: Mapping[str, Any], key: str) -> float | None:
+    """``data[key]`` as a finite time (None when absent); ValueError naming the key otherwise."""
+    value = data.get(key)
+    if value is None:
+        return None
+    if not is_finite(value):
+        raise ValueError(f"{key} is {value!r}, not a finite time")
+    return float(value)
+
+
 def backoff_delay(failures: int, base: float, cap: float) -> float:
     """Exponential backoff after ``failures`` consecutive failures (>= 1)."""
     if failures < 1:

@@ -31,7 +31,14 @@ from typing import Any
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.gpudirect import classify
-from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count, is_finite
+from nodeagent.core.guard import (
+    GuardDecision,
+    Verdict,
+    backoff_delay,
+    count_field,
+    is_count,
+    time_field,
+)
 from nodeagent.core.identity import (
     abi_mismatches,
     disk_evidence,
@@ -233,12 +240,8 @@ class PeermemGate:
                 ):
                     raise ValueError("stale_flag is not [inode, mtime_ns, ctime_ns]")
                 stale = FileId(*stale)
-            failures = data.get("failures", 0)
-            if not is_count(failures):
-                raise ValueError(f"failures is {failures!r}, not a count")
-            retry_at = data.get("retry_at")
-            if retry_at is not None and not is_finite(retry_at):
-                raise ValueError(f"retry_at is {retry_at!r}, not a finite time")
+            failures = count_field(data, "failures")
+            retry_at = time_field(data, "retry_at")
             last_error = data.get("last_error")
             if last_error is not None and not isinstance(last_error, str):
                 raise ValueError("last_error is not a string")
@@ -249,7 +252,7 @@ class PeermemGate:
                 restart_pending=pending,
                 stale_flag=stale,
                 failures=failures,
-                retry_at=None if retry_at is None else float(retry_at),
+                retry_at=retry_at,
                 last_error=last_error,
                 last_signals=tuple(signals),
             )

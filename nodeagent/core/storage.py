@@ -44,7 +44,7 @@ from nodeagent.core.actions import (
     UnloadModule,
     WriteFile,
 )
-from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count, is_finite
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, count_field, time_field
 from nodeagent.core.identity import module_evidence
 from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_order
 from nodeagent.core.mofed import pending_signals
@@ -228,19 +228,13 @@ class StorageGuard:
             last_error = data.get("last_error")
             if last_error is not None and not isinstance(last_error, str):
                 raise ValueError("last_error is not a string")
-            failures = data.get("failures", 0)
-            if not is_count(failures):
-                raise ValueError(f"failures is {failures!r}, not a count")
-            retry_at = data.get("retry_at")
-            if retry_at is not None and not is_finite(retry_at):
-                raise ValueError(f"retry_at is {retry_at!r}, not a finite time")
             return StorageMemory(
                 flag_seen=data.get("flag_seen", False),
                 flag_removed=data.get("flag_removed", False),
                 removed=tuple(removed),
                 holding=data.get("holding", False),
-                failures=failures,
-                retry_at=None if retry_at is None else float(retry_at),
+                failures=count_field(data, "failures"),
+                retry_at=time_field(data, "retry_at"),
                 last_error=last_error,
             )
         except (TypeError, ValueError, AttributeError) as exc:

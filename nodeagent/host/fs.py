@@ -287,6 +287,14 @@ class HostRoot:
         finally:
             os.close(fd)
 
+    def listing(self, rel: str, problems: list[str]) -> list[str]:
+        """``listdir``, with an unreadable directory (a symlink loop, a file) as a problem."""
+        try:
+            return self.listdir(rel)
+        except (OSError, NodeagentError) as exc:
+            problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
+            return []
+
     # -- writing ------------------------------------------------------------
 
     def open_dir(self, rel: str, *, create: bool) -> int:

@@ -40,7 +40,6 @@ from nodeagent.core.snapshot import (
     TextFact,
 )
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
-from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import (
@@ -172,7 +171,7 @@ class Observer:
                 problems.append(str(exc))
         holders = tuple(
             normalize_module_name(h)
-            for h in self._listing(f"{d}/holders", problems)
+            for h in self.host.listing(f"{d}/holders", problems)
             if is_module_name(h)
         )
         return LoadedModule(
@@ -322,7 +321,7 @@ class Observer:
                 }
             ),
             listings=MappingProxyType(
-                {d: tuple(self._listing(d, problems)) for d in sorted(needs.listings)}
+                {d: tuple(self.host.listing(d, problems)) for d in sorted(needs.listings)}
             ),
             texts=MappingProxyType({t: self.read_text_fact(t) for t in sorted(needs.texts)}),
             locks=locks,
@@ -333,14 +332,6 @@ class Observer:
             problems=tuple(problems),
             read_problems=MappingProxyType(unread),
         )
-
-    def _listing(self, rel: str, problems: list[str]) -> list[str]:
-        """A directory's names; unreadable (a symlink loop, a file) is a problem, not a crash."""
-        try:
-            return self.host.listdir(rel)
-        except (OSError, NodeagentError) as exc:
-            problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
-            return []
 
     @staticmethod
     def _run(field: str, reader: Reader, unread: dict[str, tuple[str, ...]]) -> tuple[Any, ...]:

@@ -243,12 +243,7 @@ class SriovObserver:
     def read_cni_cache(self, problems: list[str]) -> tuple[CniAttachment, ...]:
         """sriov-cni's ``<container>-<ifname>`` files: the NetConf it saved at attach time."""
         out = []
-        try:
-            names = self.host.listdir(self.cni_cache)
-        except (OSError, NodeagentError) as exc:
-            problems.append(f"{self.cni_cache} unreadable: {getattr(exc, 'strerror', None) or exc}")
-            names = []
-        for name in names:
+        for name in self.host.listing(self.cni_cache, problems):
             rel = f"{self.cni_cache}/{name}"
             try:
                 conf = json.loads(self.host.read_bytes(rel, 1 << 16))
