@@ -1,9 +1,16 @@
-"""The reconcile loop: wake -> observe -> guards decide -> act -> record.
+"""The reconcile loop: wake -> absorb -> observe -> guards decide -> act -> record.
 
 Level-triggered: a wake-up only says "look again"; each pass reads the whole
 node, so a missed event, an agent restart or a crash costs one pass. Guard
 memory is persisted after every pass, so a restarted agent knows, for
 example, that the ready flag it sees predates a MOFED restart.
+
+The loop never waits on a plan: it hands each guard's plan to that guard's
+worker (host/worker.py) and absorbs what the workers finished at the start of
+a later pass. Protective work comes first in every pass: closed gates'
+files are withdrawn and urgent plans started before memory, status, timeline
+or any exporter; a gate is published open last, and only when no event
+arrived after the pass's observation (docs/design.md, "The loop").
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
-from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
+from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, readable
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
 from nodeagent.host.kmod import ModuleOps, default_module_ops
@@ -35,9 +42,14 @@ from nodeagent.host.netlink import PyrouteOps, SriovOps
 from nodeagent.host.observe import Observer, Readers, no_sriov
 from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.host.state import StateStore
+from nodeagent.host.worker import FinishedPlan, PlanWorkers
 from nodeagent.timeline import Timeline, bounded
 
 log = logging.getLogger("nodeagent")
+
+# At stop, steps in flight get this long to end before the stop actions run (SIGTERM's
+# grace is 1.5 s: host/events.py, StopOnSignal).
+STOP_WAIT_S = 1.0
 
 
 def build_reconciler(cfg: Config) -> Reconciler:
@@ -51,6 +63,16 @@ def sriov_host(
     """The VF guard's reader (PFs, VFs, sriov-cni cache, snapshot file) and its store."""
     store = SriovStore(host, cfg.paths.sriov_snapshot)
     return SriovObserver(host, ops, store, cfg.paths.sriov_cni_cache), store
+
+
+def superseded_record(f: FinishedPlan) -> dict[str, Any]:
+    """A plan a newer decision replaced: what it did and what it left undone."""
+    return {
+        "kind": "plan-superseded",
+        "guard": f.plan.guard,
+        "done": [o.action.describe() for o in f.outcomes],
+        "not_done": [a.describe() for a in f.not_done],
+    }
 
 
 def action_record(o: ActionOutcome) -> dict[str, Any]:
@@ -95,6 +117,7 @@ class Agent:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         readers: Readers | None = None,
         sriov_ops: SriovOps | None = None,
+        stepped_plans: bool = False,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
@@ -102,7 +125,9 @@ class Agent:
         sees every timeline record. All three are for embedding; the daemon uses none.
         ``readers`` replaces the observer's readers of locks, mounts, NVMe and SR-IOV;
         ``sriov_ops`` the netlink and ``sriov_numvfs`` access of the VF guard (the
-        simulator's kernel; pyroute2 by default).
+        simulator's kernel; pyroute2 by default). ``stepped_plans``: plans run right
+        after the pass that submitted them, inside its ``pass_context``, instead of in
+        worker threads (the simulator, whose virtual clock must order every step).
         """
         self.cfg = cfg
         self.pass_context = pass_context or nullcontext
@@ -125,6 +150,16 @@ class Agent:
             verified_fd=self.observer.verified_fd,  # load the very file the gate checked
             clock=clock,
         )
+        self.workers = PlanWorkers(
+            self.reconciler.guards,
+            self.actuator.perform,
+            step_timeout_s=lambda _a: cfg.step_timeout_seconds,
+            on_done=lambda g: self.plans_ended.poke(f"plan of {g} ended"),
+            threaded=not stepped_plans,
+        )
+        # What may wake the loop; anything pending here after a pass's observation makes
+        # that pass's decision stale (run() adds inotify, uevents and the extra sources).
+        self._wake_sources: list[WakeSource] = []
         self.state = StateStore(self.host, cfg.paths.state_dir, clock)
         self.gates = GateFiles(self.host, cfg.paths.state_dir)
         # Bookkeeping failures of the current pass (memory, timeline, status): logged,
@@ -136,6 +171,9 @@ class Agent:
         )
         self.extra_sources = list(wake_sources)
         self.poke = Poke()
+        # A worker's plan ended: wakes the loop to absorb it. Not a node event: its effects
+        # on the node arrive as inotify or uevents of their own.
+        self.plans_ended = Poke()
         self.stopping = threading.Event()
         self.memory: AgentMemory
         self.memory, problems = self.state.load_memory(self.reconciler)
@@ -165,6 +203,8 @@ class Agent:
         with self.pass_context():
             try:
                 result = self._pass(woken_by)
+                if not self.workers.threaded:
+                    self.workers.run_pending()
             except BaseException as exc:
                 # Fail closed: a pass that did not complete vouches for no gate.
                 for p in self.gates.withdraw(self.reconciler.gates):
@@ -179,24 +219,32 @@ class Agent:
     def _pass(self, woken_by: Sequence[str]) -> PassResult:
         now = self.clock()
         self._pass_problems, self._can_vouch = [], True
+        # What the workers finished since the last pass reaches guard memory first.
+        finished = self.workers.take_finished()
+        outcomes = [o for f in finished for o in f.outcomes]
+        if outcomes:  # kept even if this pass fails further on
+            self.memory = self.reconciler.absorb(self.memory, outcomes, now)
+        memory = self.memory
         snap = self.observer.observe(now)
-        rec = self.reconciler.decide(snap, self.memory)
-        # Fail closed first: a closed gate's file goes before memory, status, timeline
-        # or any action (gatefile.py has the whole order).
+        rec = self.reconciler.decide(snap, memory)
+        # Protective first: a closed gate's file goes, and an urgent plan starts, before
+        # memory, status, timeline, any other plan or exporter (gatefile.py: the order).
         self._pass_problems += self.gates.withdraw(
             g for g in self.reconciler.gates if not rec.verdicts[g].ok
         )
+        enforce = self.cfg.mode == "enforce"
+        if enforce:
+            self.workers.submit(rec.plans, only_urgent=True, decided_at=now)
         memory = rec.memory
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
-        # stale") is on disk before any action runs, so dying mid-action loses nothing.
+        # stale") is on disk before any other plan starts, so dying mid-action loses nothing.
         self._save_memory(memory)
-        outcomes: list[ActionOutcome] = []
-        if self.cfg.mode == "enforce":
-            for guard_outcomes in self.actuator.run_plans(rec.plans).values():
-                outcomes.extend(guard_outcomes)
+        if enforce:
+            self.workers.submit(rec.plans, decided_at=now)  # to the workers: never joined
         else:
-            outcomes = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
-        memory = self.reconciler.absorb(memory, outcomes, self.clock())
+            planned = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
+            memory = self.reconciler.absorb(memory, planned, self.clock())
+            outcomes += planned
 
         signature = (
             tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
@@ -222,6 +270,9 @@ class Agent:
                     }
                 )
             self._last_signature = signature
+        for f in finished:
+            if f.superseded:
+                self.record(superseded_record(f))
         for o in outcomes:
             if not o.performed and not changed:
                 continue  # observe mode: the same undone action is recorded once, not per pass
@@ -235,8 +286,10 @@ class Agent:
         except (OSError, NodeagentError) as exc:
             self._bookkeeping_failed("status write failed", exc, vouch=False)
         # Publish last, and only from a pass whose bookkeeping held: a gate file says
-        # "a recent, completed pass decided open".
-        if not self._can_vouch:
+        # "a recent, completed pass decided open". An event since the observation makes
+        # the decision stale: it vouches for nothing (an open file of an earlier pass goes
+        # too), and the next pass, at once since the event is pending, decides again.
+        if not self._can_vouch or self._event_pending():
             self.gates.withdraw(self.reconciler.gates)
         else:
             gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
@@ -253,6 +306,28 @@ class Agent:
             woken_by=tuple(woken_by),
             started=now,
         )
+
+    def _event_pending(self) -> bool:
+        """Did anything that wakes the loop arrive since this pass drained its sources?"""
+        try:
+            return bool(readable(self._wake_sources or [self.poke]))
+        except (OSError, ValueError):  # a source closed under us: assume the worst
+            return True
+
+    def _absorb_finished(self) -> list[ActionOutcome]:
+        """Outcomes the workers handed back outside a pass (``--once``, stop) reach memory."""
+        finished = self.workers.take_finished()
+        outcomes = [o for f in finished for o in f.outcomes]
+        if not outcomes:
+            return outcomes
+        for f in finished:
+            if f.superseded:
+                self.record(superseded_record(f))
+        for o in outcomes:
+            self.record(action_record(o))
+        self.memory = self.reconciler.absorb(self.memory, outcomes, self.clock())
+        self._save_memory(self.memory)
+        return outcomes
 
     def _keep_sriov_snapshot(self, memory: AgentMemory) -> None:
         """Bookkeeping after the pass's actions: the VF snapshot file follows the guard's memory."""
@@ -296,6 +371,7 @@ class Agent:
         verdicts: Mapping[str, Verdict],
         outcomes: Sequence[ActionOutcome],
     ) -> dict[str, Any]:
+        abandoned = self.workers.abandoned()
         return bounded(
             {
                 "version": __version__,
@@ -304,7 +380,13 @@ class Agent:
                 "kernel": snap.kernel,
                 "resync_seconds": self.cfg.resync_seconds,  # status tells a dead agent by it
                 "pid": os.getpid(),
-                "problems": [*snap.problems, *self._pass_problems],
+                "problems": [
+                    *snap.problems,
+                    *self._pass_problems,
+                    *(f"step still running after its timeout: {s}" for s in abandoned),
+                ],
+                # Steps the guards' workers have begun and not yet handed back.
+                "plans_in_flight": self.workers.in_flight(),
                 "guards": {g: v.to_json() for g, v in verdicts.items()},
                 "last_actions": [
                     {
@@ -330,21 +412,46 @@ class Agent:
         return self.observer.needs.watch_dirs()
 
     def _stop_actions(self) -> None:
-        """What guards undo when the agent stops (e.g. a hold file), enforce mode only."""
+        """What guards undo when the agent stops (e.g. a hold file), enforce mode only.
+
+        Workers start nothing new; what they finished reaches memory first, so the
+        stop actions and the next agent know what was done.
+        """
+        if not self.workers.close(STOP_WAIT_S):
+            log.warning("steps still running at stop: %s", self.workers.in_flight())
+        self._absorb_finished()
         if self.cfg.mode != "enforce":
             return
-        plans = self.reconciler.on_stop(self.memory)
-        for outcomes in self.actuator.run_plans(plans).values():
-            for o in outcomes:
+        for plan in self.reconciler.on_stop(self.memory).values():
+            for o in self.workers.run_now(plan):
                 self.record(action_record(o))
+
+    def close(self) -> None:
+        """Release an agent driven by ``run_pass`` (``run`` releases its own at the end)."""
+        self.workers.close(0.0)
+        self.poke.close()
+        self.plans_ended.close()
 
     def stop(self) -> None:
         self.stopping.set()
         self.poke.poke("stop")
 
+    def run_once(self, woken_by: Sequence[str] = ("once",)) -> PassResult:
+        """One pass, its plans carried out and their outcomes recorded (``run --once``);
+        the result carries those outcomes."""
+        result = self.run_pass(woken_by)
+        done = self.finish_plans(self.cfg.step_timeout_seconds + 1.0)
+        return replace(result, outcomes=(*result.outcomes, *done))
+
+    def finish_plans(self, timeout: float) -> list[ActionOutcome]:
+        """Wait up to ``timeout`` for the workers, then absorb what they finished."""
+        self.workers.wait_idle(timeout)
+        with self.pass_context():
+            return self._absorb_finished()
+
     def run(self, once: bool = False) -> None:
         if once:
-            self.run_pass(["once"])
+            self.run_once()
             return
         root = self.host.root
         watch = FileWatch(root, [self.host.path(d) for d in self.watched_dirs()], self.poke)
@@ -354,7 +461,8 @@ class Agent:
                 sources.append(UeventSource())
             except Exception as exc:  # no libudev, no netlink permission: inotify + resync remain
                 log.warning("kernel uevents unavailable (%s); relying on inotify and resync", exc)
-        waker = Waker(sources)
+        waker = Waker([*sources, self.plans_ended])
+        self._wake_sources = [*sources]
         self.record({"kind": "start", "mode": self.cfg.mode, "host_root": str(root)})
         try:
             woken_by = ["start"]
@@ -378,3 +486,4 @@ class Agent:
             self._stop_actions()
             self.record({"kind": "stop"})
             self.poke.close()
+            self.plans_ended.close()

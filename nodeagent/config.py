@@ -28,6 +28,9 @@ class Config:
     host_root: str = "/"
     mode: str = "observe"
     resync_seconds: float = 30.0
+    # A plan step (a module load, a VF write) still running after this is abandoned and
+    # reported; the guard's worker moves on. Generous: mlx5/nvidia loads take seconds.
+    step_timeout_seconds: float = 120.0
     timeline_max_bytes: int = 4 * 1024 * 1024
     timeline_keep: int = 3
     kmsg: str = "/dev/kmsg"  # the kernel's log device (not under the host root)
@@ -63,6 +66,10 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
     if "resync_seconds" in data:
         changes["resync_seconds"] = cfgval.number(
             "resync_seconds", data["resync_seconds"], 0.05, 86400
+        )
+    if "step_timeout_seconds" in data:
+        changes["step_timeout_seconds"] = cfgval.number(
+            "step_timeout_seconds", data["step_timeout_seconds"], 0.05, 3600
         )
     if "timeline_max_bytes" in data:
         changes["timeline_max_bytes"] = cfgval.whole(

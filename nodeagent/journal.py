@@ -38,7 +38,15 @@ IDENTIFIER = "nodeagent"
 # versions and hosts, and defined for kinds added later without a table edit.
 MESSAGE_ID_NAMESPACE = uuid.UUID("5b0d64a4-3f57-4c07-9f0e-0a5e1d7c2b91")
 # The record kinds the agent writes today (docs/operations.md lists their ids).
-KNOWN_KINDS = ("start", "stop", "decision", "action", "pass-error", "state-problem")
+KNOWN_KINDS = (
+    "start",
+    "stop",
+    "decision",
+    "action",
+    "plan-superseded",
+    "pass-error",
+    "state-problem",
+)
 # Beyond this a record is sent without its evidence (journald's own cap is larger).
 MAX_ENTRY_BYTES = 8 * 1024 * 1024
 SKIPPED_KEYS = frozenset({"kind", "ts"})
@@ -77,6 +85,10 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "action": _action_message,
     "start": lambda r: f"nodeagent started (mode {r.get('mode')}, host root {r.get('host_root')})",
     "stop": lambda r: "nodeagent stopped",
+    "plan-superseded": lambda r: (
+        f"{r.get('guard')}: plan superseded by a newer decision; not done: "
+        + ("; ".join(str(a) for a in r.get("not_done") or []) or "nothing")
+    ),
     "pass-error": lambda r: f"pass failed: {r.get('error')}",
     "state-problem": lambda r: f"state problem: {r.get('problem')}",
 }
@@ -96,6 +108,7 @@ def _action_priority(rec: Mapping[str, Any]) -> int:
 PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "decision": _decision_priority,
     "action": _action_priority,
+    "plan-superseded": lambda r: NOTICE,
     "pass-error": lambda r: ERR,
     "state-problem": lambda r: WARNING,
 }

@@ -249,8 +249,10 @@ class MetricsExporter:
             if outcome.performed:
                 res = "ok" if outcome.ok else "failed"
                 if outcome.finished_at is not None:
+                    # From the pass that decided it (its worker's outcome comes a pass later).
+                    began = outcome.decided_at if outcome.decided_at is not None else result.started
                     self.event_to_action.labels(action.guard, kind).observe(
-                        max(0.0, outcome.finished_at - result.started)
+                        max(0.0, outcome.finished_at - began)
                     )
                 if outcome.seconds is not None:
                     self.action_duration.labels(action.guard, kind).observe(outcome.seconds)

@@ -255,7 +255,7 @@ def test_a_hold_file_that_is_a_symlink_is_not_written_through(root: Path) -> Non
     hold.symlink_to(victim)
     ops = _RecordingOps()
     agent = Agent(Config(host_root=str(root), mode="enforce", uevents=False), module_ops=ops)
-    result = agent.run_pass(["test"])
+    result = agent.run_once(["test"])
     assert result.verdicts["storage"].verdict == "blocking"
     assert result.verdicts["storage"].evidence["hold_file"]["problem"].startswith("is a symlink")
     (failed,) = [o for o in result.outcomes if o.action.guard == "storage"]

@@ -130,8 +130,8 @@ def test_gate_never_lies_and_the_restart_unload_is_never_skipped(
                 finally:
                     agent.observer.observe = real  # type: ignore[method-assign]
                 assert not (root / GATE).exists(), "a failed pass left a gate file"
-            else:
-                result = agent.run_pass(["property"])
+            else:  # the pass, its plans carried out and absorbed
+                result = agent.run_once(["property"])
                 decided_open = result.verdicts["peermem"].ok
                 assert not ((root / GATE).exists() and not decided_open), (what, fault)
                 if restart_signals(result.snapshot, cfg.paths.mofed, "container") and idle:
@@ -142,6 +142,7 @@ def test_gate_never_lies_and_the_restart_unload_is_never_skipped(
             if blocked:
                 shutil.rmtree(root / blocked)
     finally:
+        agent.close()
         node.kernel.uevent_source.close()
 
 

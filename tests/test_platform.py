@@ -101,28 +101,6 @@ def test_parallel_runs_every_step_with_at_most_bound_at_once(tmp_path: Path) -> 
     assert [o.ok for o in outcomes].count(False) == 1 and not outcomes[4].ok
 
 
-def test_one_guards_blocked_plan_does_not_delay_another_guards(tmp_path: Path) -> None:
-    released = threading.Event()
-
-    class Slow(PingExecutor):
-        def ping(self, action: Ping) -> None:
-            if action.guard == "storage":  # stuck until peermem's step has run
-                assert released.wait(10), "peermem's action was queued behind storage's"
-            else:
-                released.set()
-            super().ping(action)
-
-    ex = Slow()
-    plans = {
-        "storage": Plan("storage", (Ping("storage", 1),)),  # type: ignore[arg-type]
-        "peermem": Plan("peermem", (Ping("peermem", 2),)),  # type: ignore[arg-type]
-    }
-    out = actuator(tmp_path, ex).run_plans(plans)
-    assert list(out) == ["storage", "peermem"]
-    assert all(o.ok for outcomes in out.values() for o in outcomes)
-    assert ex.done == [2, 1]
-
-
 def test_executor_table_by_action_type(tmp_path: Path) -> None:
     ex = PingExecutor()
     act = actuator(tmp_path, ex)

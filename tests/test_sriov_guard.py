@@ -208,6 +208,26 @@ def test_disruption_freezes_the_snapshot_and_restores_each_vf_as_it_appears() ->
     assert run.verdict()["verdict"] == "restored" and run.verdict()["ok"] is True
 
 
+def test_an_outcome_absorbed_after_the_vf_reads_back_restored_keeps_what_it_wrote() -> None:
+    """A worker's outcome reaches memory a pass after its step: the VF may read back
+    restored first; what the step wrote still lands in the VF's record."""
+    run = stable_then_unloaded(1)
+    run.world.reload()
+    run.world.netdev_appears(0)
+    snap = run.world.observe(2.0)
+    d = run.guard.decide(snap, run.memory)
+    (restore,) = [a for a in d.actions if isinstance(a, RestoreVf)]
+    outcome = run.world.perform(restore)  # the worker runs it; its outcome waits
+    mem = run.guard.decide(run.world.observe(2.5), d.memory).memory
+    assert mem.pfs[PF_PCI].restores[0].status == "restored"
+    assert mem.pfs[PF_PCI].restores[0].written == ()
+    mem = run.guard.absorb(mem, outcome, 3.0)
+    assert set(mem.pfs[PF_PCI].restores[0].written) == {
+        n for n, r in outcome.detail if r == "written"
+    }
+    assert mem.pfs[PF_PCI].restores[0].written
+
+
 def test_vfs_destroyed_and_created_again_between_two_passes_are_a_disruption() -> None:
     """numvfs 0 and back faster than a pass: same count, new devices, blank config."""
     run = Run(World(3).configured())

@@ -124,6 +124,9 @@ class Plan:
     steps: tuple[Action, ...]
     strategy: Strategy = "sequence"
     bound: int = 1  # parallel: at most this many steps at once
+    # Protective (e.g. unloading an idle peermem as a MOFED restart begins): started in the
+    # pass that decided it, before any bookkeeping, never queued behind a step in flight.
+    urgent: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,5 +140,7 @@ class ActionOutcome:
     # Stamped by the host layer when performed (agent clock): when it ended, how long it took.
     finished_at: float | None = None
     seconds: float | None = None
+    # When the pass that decided it began (agent clock): its outcome is absorbed a pass later.
+    decided_at: float | None = None
     # Per-field results of a multi-field action: (field, "written" | "unsupported" | ...).
     detail: tuple[tuple[str, str], ...] = ()

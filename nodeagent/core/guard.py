@@ -48,10 +48,11 @@ class GuardDecision(Generic[M]):
     wake_at: float | None = None  # the guard wants another pass by then (e.g. a retry backoff)
     strategy: Strategy = "sequence"
     bound: int = 1
+    urgent: bool = False  # a protective plan: see Plan.urgent
 
     @property
     def plan(self) -> Plan:
-        return Plan(self.verdict.guard, self.actions, self.strategy, self.bound)
+        return Plan(self.verdict.guard, self.actions, self.strategy, self.bound, self.urgent)
 
 
 class Guard(Protocol[M]):

@@ -387,6 +387,8 @@ class PeermemGate:
 
         actions, wake_at, more_events = self._actions(snap, memory, verdict, signals, restart_began)
         events.extend(more_events)
+        # The unload at a MOFED restart is protective: it must not wait behind anything.
+        urgent = any(isinstance(a, UnloadModule) for a in actions)
         evidence["peermem"] = {
             **module_evidence(snap.module(PEERMEM)),
             "disk": disk_evidence(snap.disk_module(PEERMEM)),
@@ -395,7 +397,12 @@ class PeermemGate:
             "last_error": memory.last_error,
         }
         return GuardDecision(
-            verdict=verdict, actions=actions, memory=memory, events=tuple(events), wake_at=wake_at
+            verdict=verdict,
+            actions=actions,
+            memory=memory,
+            events=tuple(events),
+            wake_at=wake_at,
+            urgent=urgent,
         )
 
     def _actions(

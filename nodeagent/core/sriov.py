@@ -819,7 +819,10 @@ def _absorb_restore(
     if mem is None:
         return memory
     r = mem.restores.get(action.index)
-    if r is None or r.status != "waiting":
+    # A worker's outcome arrives a pass or more after its step: the VF may already read
+    # back restored (then what the step wrote still belongs to its record), or be gone.
+    late = r is not None and r.status == "restored" and outcome.performed and outcome.ok
+    if r is None or (r.status != "waiting" and not late):
         return memory
     unsupported = set(mem.unsupported)
     written = list(r.written)
@@ -828,7 +831,9 @@ def _absorb_restore(
             unsupported.add(name)
         elif result == "written" and name not in written:
             written.append(name)
-    if not outcome.performed:  # observe mode: decided and recorded, not done
+    if late:
+        r = replace(r, written=tuple(written))
+    elif not outcome.performed:  # observe mode: decided and recorded, not done
         r = replace(r, next_try=now + policy.retry_max_s)
     elif outcome.ok:
         r = replace(r, status="restored", done_at=now, written=tuple(written), error=None)

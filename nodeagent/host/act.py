@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -228,10 +227,6 @@ class Actuator:
                 if kind in self.table:
                     raise ValueError(f"two executors handle {kind.__name__}")
                 self.table[kind] = handler
-        self._strategies: dict[str, Callable[[Plan], list[ActionOutcome]]] = {
-            "sequence": self._sequence,
-            "parallel": self._parallel,
-        }
 
     def perform(self, action: Action) -> ActionOutcome:
         """Run one action; its outcome is stamped with when it ended and how long it took."""
@@ -265,45 +260,11 @@ class Actuator:
         return ActionOutcome(action=action, ok=True, detail=detail or ())
 
     def run_plan(self, plan: Plan) -> list[ActionOutcome]:
-        return self._strategies[plan.strategy](plan)
+        """Run one plan here and now by its strategy (tools and tests; the agent's
+        loop hands plans to its workers instead: host/worker.py)."""
+        from nodeagent.host.worker import execute_plan
 
-    def _sequence(self, plan: Plan) -> list[ActionOutcome]:
-        """In order; stop at the first failure (later steps depend on earlier ones)."""
-        out: list[ActionOutcome] = []
-        for step in plan.steps:
-            outcome = self.perform(step)
-            out.append(outcome)
-            if not outcome.ok:
-                break
-        return out
-
-    def _parallel(self, plan: Plan) -> list[ActionOutcome]:
-        """Every step, at most ``bound`` at once; outcomes in step order."""
-        if len(plan.steps) <= 1 or plan.bound <= 1:
-            return [self.perform(s) for s in plan.steps]
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan") as pool:
-            return list(pool.map(self.perform, plan.steps))
-
-    def run_plans(self, plans: Mapping[str, Plan]) -> dict[str, list[ActionOutcome]]:
-        """Each guard's plan side by side (one thread per guard when there are several)."""
-        if len(plans) <= 1:
-            return {g: self.run_plan(p) for g, p in plans.items()}
-        results: dict[str, list[ActionOutcome]] = {}
-
-        def run(guard: str, plan: Plan) -> None:
-            results[guard] = self.run_plan(plan)
-
-        threads = [
-            threading.Thread(target=run, args=(g, p), name=f"plan-{g}", daemon=True)
-            for g, p in plans.items()
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return {g: results[g] for g in plans}
+        return execute_plan(plan, self.perform)[0]
 
 
 def kmsg_reader(path: str = "/dev/kmsg", keep: int = 8) -> KernelLog:

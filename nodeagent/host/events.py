@@ -268,6 +268,23 @@ class UeventSource:
         return out
 
 
+def readable(sources: Sequence[WakeSource], timeout: float | None = 0) -> list[int]:
+    """The descriptors of ``sources`` with something to read, waiting up to ``timeout``.
+
+    poll, not select: select refuses descriptors numbered past 1023, which a
+    long-lived process (or a test run) can reach.
+    """
+    poller = select.poll()
+    for s in sources:
+        poller.register(s.fileno(), select.POLLIN)
+    try:
+        events = poller.poll(None if timeout is None else timeout * 1000)
+    except InterruptedError:
+        return []
+    # A closed pipe or socket reads as ready (POLLHUP/POLLERR/POLLNVAL): look again.
+    return [fd for fd, _ in events]
+
+
 class Waker:
     """Blocks until any source has something or the timeout passes; returns what woke it."""
 
@@ -277,10 +294,7 @@ class Waker:
     def wait(self, timeout: float | None) -> list[str]:
         if timeout is not None and timeout < 0:
             timeout = 0
-        try:
-            ready, _, _ = select.select(self.sources, [], [], timeout)
-        except InterruptedError:
-            ready = []
+        ready = readable(self.sources, timeout)
         reasons: list[str] = []
         # Drain every source, not just the ready ones: one pass covers them all.
         for s in self.sources:

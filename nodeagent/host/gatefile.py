@@ -5,9 +5,11 @@ A gate file exists only while the last completed pass decided that gate open
 
 1. right after the decision, every closed gate's file is withdrawn, before
    memory, status, timeline or any action;
-2. only when the pass's bookkeeping succeeded (status written) are the open
+2. only when the pass's bookkeeping succeeded (status written) and nothing
+   that wakes the loop arrived after the pass's observation are the open
    gates' files (re)written, last, carrying the time of the confirming pass;
-3. a pass that fails in any way withdraws every gate file.
+3. a pass that fails in any way, or whose observation an event made stale,
+   withdraws every gate file (the next pass, at once, decides again).
 
 The file holds ``{"guard", "confirmed_at", "resync_seconds", "pid"}``. A dead
 agent cannot withdraw anything, so readers (``wait``, ``status``) treat a

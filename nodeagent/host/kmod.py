@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from nodeagent.core.names import validate_module_name, validate_module_param
 from nodeagent.errors import NodeagentError
+from nodeagent.host.deadline import step_time_left
 
 __all__ = [
     "LibKmod",
@@ -442,7 +443,8 @@ class ModprobeTools:
                 text=True,
                 errors="replace",
                 env=env,
-                timeout=self.timeout,
+                # The step's deadline when a worker set one: the tool is killed with the step.
+                timeout=step_time_left(self.timeout),
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:

@@ -11,7 +11,9 @@ on it, enforce mode. What the simulator gives it:
 Determinism: virtual time only moves when the scheduler pops an event, and
 after every step the scheduler calls ``settle``, which pokes the fence when the
 step changed the node and waits until every poke and uevent has been drained
-and the pass after the drain has finished (or the agent is blocked inside a
+and the pass after the drain has finished, every plan it submitted has run
+(``stepped_plans``: right after the pass, still holding the world lock) and a
+later pass has absorbed the outcomes (or the agent is blocked inside a
 simulated module operation that takes virtual time). Each pass holds the
 scheduler's ``world`` lock, so a pass started by a late inotify event never
 sees half a step: it sees a state the deterministic pass saw, decides the same,
@@ -81,6 +83,7 @@ class SimAgent:
             on_pass=self._pass_done,
             on_record=self._record,
             sriov_ops=SimSriovOps(node.kernel),
+            stepped_plans=True,  # plans run in virtual time, right after their pass
         )
 
     @contextmanager
@@ -161,6 +164,8 @@ class AgentHarness:
             self.fence.pending == 0
             and self.node.kernel.uevent_source.pending == 0
             and self.agent.passes >= self._target
+            # every plan run and its outcome absorbed by a later pass
+            and not self.agent.agent.workers.busy()
         )
 
     def settle(self) -> None:

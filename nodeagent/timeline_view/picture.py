@@ -228,6 +228,11 @@ def build_picture(
                     states[name].at(t, *state_of(ev))
         elif kind == "action":
             _action(t, rec, markers, vfs)
+        elif kind == "plan-superseded":
+            left = ", ".join(_texts(rec.get("not_done"))) or "nothing"
+            markers["agent"].append(
+                Marker(t, f"{rec.get('guard')}: plan superseded; not done: {left}", "idle")
+            )
         elif kind in ("pass-error", "state-problem"):
             what = rec.get("error") or rec.get("problem")
             markers["agent"].append(Marker(t, f"{kind}: {what}", "bad"))

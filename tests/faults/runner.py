@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     cfg = Config(host_root=str(root), mode="enforce", uevents=False)
     kernel = FileKernel(root, die if step == "mid-action" else lambda: None)
     agent = Agent(cfg, module_ops=kernel, kernel_log=lambda m: [])
-    result = agent.run_pass(["fault-test"])
+    result = agent.run_once(["fault-test"])
     check("end of pass")
     print(result.verdicts["peermem"].verdict)
     return 0

@@ -103,7 +103,7 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
     assert set(CHAIN) <= pulled and {"ib_core", "rdma_cm", "sunrpc"} <= pulled
 
     with mofed_pending() as holder:
-        result = _agent().run_pass(["test"])
+        result = _agent().run_once(["test"])
         verdict = result.verdicts["storage"]
         assert verdict.verdict == "blocking", verdict.reasons
         assert f"pid {holder.pid}" in verdict.reasons[0]
@@ -132,12 +132,12 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
         p = subprocess.run(["modprobe", "rpcrdma"], capture_output=True, text=True)
         assert p.returncode != 0 and "rpcrdma" not in _loaded(), p.stderr
         # A second pass while MOFED is still pending: holding, nothing more to do.
-        result = _agent().run_pass(["test"])
+        result = _agent().run_once(["test"])
         assert result.verdicts["storage"].verdict == "holding" and result.outcomes == ()
 
     # MOFED is ready: the lock is released, the flag exists.
     READY.touch()
-    result = _agent().run_pass(["test"])
+    result = _agent().run_once(["test"])
     assert result.verdicts["storage"].verdict == "clear"
     assert all(o.ok for o in result.outcomes), [o.error for o in result.outcomes]
     assert not HOLD.exists()
@@ -162,7 +162,7 @@ def test_a_real_user_is_refused_and_named(clean: set[str]) -> None:
         assert mods["nvmet_rdma"].refcnt and not mods["nvmet_rdma"].holders
 
         with mofed_pending():
-            result = _agent().run_pass(["test"])
+            result = _agent().run_once(["test"])
         verdict = result.verdicts["storage"]
         assert verdict.verdict == "in-use" and not verdict.ok, verdict.reasons
         assert any(
@@ -244,7 +244,7 @@ def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
         assert mods["nvme_rdma"].refcnt == 0, mods["nvme_rdma"]
 
         with mofed_pending():
-            result = _agent().run_pass(["test"])
+            result = _agent().run_once(["test"])
         verdict = result.verdicts["storage"]
         assert verdict.verdict == "in-use" and not verdict.ok, verdict.reasons
         assert any(

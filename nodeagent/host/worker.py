@@ -1,0 +1,393 @@
+"""Guard plans carried out off the loop: one worker per guard, steps with timeouts.
+
+The loop observes and decides every pass in milliseconds and never waits on a
+plan (controller-runtime gives each controller its own workqueue; this is that,
+per guard). Every rule about running a plan is here:
+
+- ``submit`` hands a guard's latest decision to its worker. The same steps as
+  the plan in hand, or as what is left of the running one, change nothing: a
+  pass that decided from an observation taken while a step was in flight must
+  not restart it.
+- Other steps (none included) **supersede** the running plan at its next safe
+  point: no step is started after that, the step in flight ends on its own.
+  The superseded run is handed back with what it did and did not do.
+- An **urgent** plan (a protective action: unloading an idle ``nvidia_peermem``
+  when a MOFED restart begins) starts at once on a lane of its own, never
+  behind a step in flight.
+- Every step has a **timeout**. A step that outlives it is abandoned: its
+  thread is left to finish (a libkmod call cannot be interrupted), a backend
+  that can stop early is told the deadline (``host/deadline.py``: a
+  ``modprobe`` is killed), and it is reported as failed, by name; the worker
+  moves on.
+- Outcomes go back through ``take_finished``; the loop absorbs them into guard
+  memory on a later pass. A worker never writes memory.
+
+``threaded=False`` (the simulator) keeps every rule but runs what was submitted
+when ``run_pending`` is called, in the caller's thread, so virtual time decides
+the order.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from nodeagent.core.actions import Action, ActionOutcome, Plan
+from nodeagent.host.deadline import set_step_deadline
+
+log = logging.getLogger("nodeagent.worker")
+
+Perform = Callable[[Action], ActionOutcome]
+# A step's own thread gets this long past its timeout to report (a killed modprobe's
+# ETIMEDOUT) before the worker stops waiting for it.
+REPORT_GRACE_S = 0.5
+
+
+class StepRunner:
+    """One step, bounded by its timeout; abandoned (not awaited) when it outlives it."""
+
+    def __init__(
+        self, perform: Perform, timeout_s: Callable[[Action], float], threaded: bool = True
+    ) -> None:
+        self.perform = perform
+        self.timeout_s = timeout_s
+        self.threaded = threaded
+        self._lock = threading.Lock()
+        self.abandoned: list[str] = []  # steps still running after their timeout
+
+    def __call__(self, action: Action) -> ActionOutcome:
+        if not self.threaded:
+            return _guarded(self.perform, action)
+        timeout = self.timeout_s(action)
+        box: list[ActionOutcome] = []
+        done = threading.Event()
+
+        def body() -> None:
+            set_step_deadline(time.monotonic() + timeout)
+            try:
+                box.append(_guarded(self.perform, action))
+            finally:
+                set_step_deadline(None)
+                done.set()
+                with self._lock:
+                    if action.describe() in self.abandoned:
+                        self.abandoned.remove(action.describe())
+                        log.warning("abandoned step ended late: %s", action.describe())
+
+        threading.Thread(target=body, name=f"step-{action.guard}", daemon=True).start()
+        if done.wait(timeout + REPORT_GRACE_S):
+            if box:
+                return box[0]
+            return ActionOutcome(action=action, ok=False, error=f"{action.describe()}: step died")
+        with self._lock:
+            self.abandoned.append(action.describe())
+        return ActionOutcome(
+            action=action,
+            ok=False,
+            errno=errno.ETIMEDOUT,
+            error=f"{action.describe()}: timed out after {timeout:g} s; abandoned, "
+            "left to finish on its own",
+        )
+
+
+def _guarded(perform: Perform, action: Action) -> ActionOutcome:
+    try:
+        return perform(action)
+    except Exception as exc:  # an executor bug must not kill the worker
+        return ActionOutcome(
+            action=action, ok=False, error=f"{action.describe()}: {type(exc).__name__}: {exc}"
+        )
+
+
+def execute_plan(
+    plan: Plan, run_step: Perform, stopped: Callable[[], bool] = lambda: False
+) -> tuple[list[ActionOutcome], tuple[Action, ...]]:
+    """Run ``plan`` by its strategy; (outcomes of the steps that ran, steps never started).
+
+    ``sequence`` stops at the first failure (later steps depend on earlier ones);
+    ``parallel`` runs every step, at most ``bound`` at once. Both stop starting
+    steps once ``stopped()`` (a newer decision superseded the plan).
+    """
+    steps = plan.steps
+    if plan.strategy == "sequence" or plan.bound <= 1 or len(steps) <= 1:
+        out: list[ActionOutcome] = []
+        for i, step in enumerate(steps):
+            if stopped():
+                return out, steps[i:]
+            outcome = run_step(step)
+            out.append(outcome)
+            if not outcome.ok and plan.strategy == "sequence":
+                return out, steps[i + 1 :]
+        return out, ()
+
+    def one(step: Action) -> ActionOutcome | None:
+        return None if stopped() else run_step(step)
+
+    with ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan") as pool:
+        results = list(pool.map(one, steps))
+    ran = [o for o in results if o is not None]
+    return ran, tuple(s for s, o in zip(steps, results, strict=True) if o is None)
+
+
+@dataclass(frozen=True)
+class FinishedPlan:
+    """A plan handed back to the loop: what it did, what it did not, and why it stopped."""
+
+    plan: Plan
+    outcomes: tuple[ActionOutcome, ...]
+    not_done: tuple[Action, ...] = ()
+    superseded: bool = False  # a newer decision replaced it before it ended
+    decided_at: float | None = None  # when the pass that submitted it began (agent clock)
+
+
+@dataclass(eq=False)  # runs are told apart by identity
+class _Run:
+    plan: Plan
+    decided_at: float | None = None
+    superseded: bool = False
+    started: set[int] = field(default_factory=set)  # indexes of steps begun
+
+    def continues_with(self, steps: tuple[Action, ...]) -> bool:
+        """``steps`` is what this run still does: its steps from the one in flight on."""
+        if not steps:
+            return False
+        if self.plan.strategy == "sequence":
+            first = max(self.started, default=0)
+            return steps in (self.plan.steps[first:], self.plan.steps[first + 1 :])
+        return set(steps) <= set(self.plan.steps)
+
+
+class GuardWorker:
+    """The worker of one guard: at most one plan at a time, plus urgent ones at once."""
+
+    def __init__(
+        self, guard: str, run_step: Perform, on_done: Callable[[str], None], threaded: bool
+    ) -> None:
+        self.guard = guard
+        self.run_step = run_step
+        self.on_done = on_done
+        self.threaded = threaded
+        self._cv = threading.Condition()
+        self._wanted: tuple[Action, ...] | None = None  # the latest decision's steps
+        self._queued: Plan | None = None
+        self._queued_at: float | None = None
+        self._current: _Run | None = None
+        self._urgent: list[_Run] = []
+        self._urgent_queued: list[_Run] = []
+        self._finished: list[FinishedPlan] = []
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # -- the loop's side -------------------------------------------------------
+
+    def submit(self, plan: Plan, decided_at: float | None = None) -> None:
+        """The guard's decision of this pass (``plan.steps`` empty: nothing to do now)."""
+        start_urgent: _Run | None = None
+        with self._cv:
+            if plan.steps == self._wanted or (plan.steps == () and self._wanted is None):
+                return
+            if self._current is not None and self._current.continues_with(plan.steps):
+                self._wanted = plan.steps
+                return
+            self._wanted = plan.steps
+            if self._current is not None:
+                self._current.superseded = True
+            self._queued = None
+            if plan.urgent and plan.steps:
+                if not any(r.plan.steps == plan.steps for r in self._urgent):
+                    start_urgent = _Run(plan, decided_at)
+                    self._urgent.append(start_urgent)
+            elif plan.steps:
+                self._queued = plan
+                self._queued_at = decided_at
+                self._ensure_thread()
+            self._cv.notify_all()
+        if start_urgent is not None:
+            if self.threaded:
+                threading.Thread(
+                    target=self._run_urgent,
+                    args=(start_urgent,),
+                    name=f"urgent-{self.guard}",
+                    daemon=True,
+                ).start()
+            else:
+                with self._cv:
+                    self._urgent_queued.append(start_urgent)
+
+    def take_finished(self) -> list[FinishedPlan]:
+        with self._cv:
+            out, self._finished = self._finished, []
+            if self._idle():
+                self._wanted = None  # absorbed: the same decision again is a new attempt
+            return out
+
+    def busy(self) -> bool:
+        with self._cv:
+            return not self._idle() or bool(self._finished)
+
+    def in_flight(self) -> list[str]:
+        with self._cv:
+            runs = [*self._urgent, *([self._current] if self._current else [])]
+            return [
+                f"{s.describe()}{' (urgent)' if r.plan.urgent else ''}"
+                for r in runs
+                for i, s in enumerate(r.plan.steps)
+                if i in r.started
+            ]
+
+    def _idle(self) -> bool:
+        return (
+            self._current is None
+            and self._queued is None
+            and not self._urgent
+            and not self._urgent_queued
+        )
+
+    # -- running ---------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self.threaded and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._main, name=f"worker-{self.guard}", daemon=True
+            )
+            self._thread.start()
+
+    def _main(self) -> None:
+        while True:
+            with self._cv:
+                while self._queued is None and not self._closing:
+                    self._cv.wait()
+                if self._queued is None:
+                    return
+                run = _Run(self._queued, self._queued_at)
+                self._queued, self._current = None, run
+            self._execute(run)
+
+    def _run_urgent(self, run: _Run) -> None:
+        self._execute(run)
+
+    def run_pending(self) -> None:
+        """Stepped mode: run what was submitted, urgent first, in this thread."""
+        while True:
+            with self._cv:
+                if self._urgent_queued:
+                    run = self._urgent_queued.pop(0)
+                elif self._queued is not None:
+                    run = _Run(self._queued, self._queued_at)
+                    self._queued, self._current = None, run
+                else:
+                    return
+            self._execute(run)
+
+    def _detach(self, run: _Run) -> None:
+        """Under the lock: ``run`` no longer occupies its lane."""
+        if self._current is run:
+            self._current = None
+        if run in self._urgent:
+            self._urgent.remove(run)
+
+    def _execute(self, run: _Run) -> None:
+        def stopped() -> bool:
+            return run.superseded or self._closing
+
+        def step(action: Action) -> ActionOutcome:
+            with self._cv:
+                run.started.add(run.plan.steps.index(action))
+            return self.run_step(action)
+
+        outcomes, not_done = execute_plan(run.plan, step, stopped)
+        superseded = run.superseded and bool(not_done)
+        with self._cv:
+            self._detach(run)
+            self._finished.append(
+                FinishedPlan(run.plan, tuple(outcomes), not_done, superseded, run.decided_at)
+            )
+            self._cv.notify_all()
+        self.on_done(self.guard)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until nothing is queued or running (finished may wait)."""
+        with self._cv:
+            return self._cv.wait_for(self._idle, max(0.0, timeout))
+
+    def close(self, timeout: float) -> bool:
+        """Start nothing new; wait up to ``timeout`` for steps in flight. True: all ended."""
+        with self._cv:
+            self._closing = True
+            self._queued = None
+            self._cv.notify_all()
+            return self._cv.wait_for(
+                lambda: self._current is None and not self._urgent, max(0.0, timeout)
+            )
+
+
+class PlanWorkers:
+    """Every guard's worker; the loop submits each pass's plans and takes what finished."""
+
+    def __init__(
+        self,
+        guards: Iterable[str],
+        perform: Perform,
+        *,
+        step_timeout_s: Callable[[Action], float],
+        on_done: Callable[[str], None] = lambda _g: None,
+        threaded: bool = True,
+    ) -> None:
+        self.threaded = threaded
+        self.steps = StepRunner(perform, step_timeout_s, threaded)
+        self.workers = {g: GuardWorker(g, self.steps, on_done, threaded) for g in guards}
+
+    def submit(
+        self,
+        plans: Mapping[str, Plan],
+        *,
+        only_urgent: bool = False,
+        decided_at: float | None = None,
+    ) -> None:
+        """This pass's decisions: a guard without a plan decided to do nothing now."""
+        for guard, worker in self.workers.items():
+            plan = plans.get(guard) or Plan(guard, ())
+            if only_urgent and not plan.urgent:
+                continue
+            worker.submit(plan, decided_at)
+
+    def take_finished(self) -> list[FinishedPlan]:
+        """What finished since the last call; each outcome stamped with ``decided_at``."""
+        return [
+            replace(f, outcomes=tuple(replace(o, decided_at=f.decided_at) for o in f.outcomes))
+            for w in self.workers.values()
+            for f in w.take_finished()
+        ]
+
+    def run_pending(self) -> None:
+        for w in self.workers.values():
+            w.run_pending()
+
+    def busy(self) -> bool:
+        """Something queued, running, or finished and not yet taken by a pass."""
+        return any(w.busy() for w in self.workers.values())
+
+    def in_flight(self) -> dict[str, list[str]]:
+        return {g: steps for g, w in self.workers.items() if (steps := w.in_flight())}
+
+    def abandoned(self) -> list[str]:
+        with self.steps._lock:
+            return list(self.steps.abandoned)
+
+    def run_now(self, plan: Plan) -> list[ActionOutcome]:
+        """Run one plan in this thread, its steps still bounded (the stop actions)."""
+        outcomes, _ = execute_plan(plan, self.steps)
+        return outcomes
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(w.wait_idle(deadline - time.monotonic()) for w in self.workers.values())
+
+    def close(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(w.close(deadline - time.monotonic()) for w in self.workers.values())

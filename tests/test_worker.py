@@ -1,0 +1,286 @@
+"""Plan workers: the loop never waits on a plan; supersede, urgent lanes, step timeouts.
+
+Unit tests drive ``PlanWorkers`` with a fake ``perform``; the agent-level tests
+run the real ``Agent`` on a temp host root (the storage guard reloading while
+MOFED restarts), and the real ``ModprobeTools`` calling a ``modprobe`` that
+hangs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+from nodeagent.agent import Agent
+from nodeagent.config import Config
+from nodeagent.core.actions import Action, ActionOutcome, LoadModule, Plan, UnloadModule
+from nodeagent.host.act import Actuator
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.kmod import ModprobeTools
+from nodeagent.host.worker import PlanWorkers
+
+from .test_storage_agent import HOLD, LOCK, node
+
+WAIT = 10.0
+
+
+def unload(guard: str, module: str) -> UnloadModule:
+    return UnloadModule(guard, module, "test")
+
+
+class Steps:
+    """A fake ``perform``: records each step; a step named in ``blocked`` waits for release."""
+
+    def __init__(self, *blocked: str) -> None:
+        self.blocked = {m: threading.Event() for m in blocked}
+        self.entered = {m: threading.Event() for m in blocked}
+        self.started: list[str] = []
+        self.ended: list[str] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, action: Action) -> ActionOutcome:
+        name = getattr(action, "module", "?")
+        with self.lock:
+            self.started.append(name)
+        if name in self.blocked:
+            self.entered[name].set()
+            assert self.blocked[name].wait(WAIT), f"{name} never released"
+        with self.lock:
+            self.ended.append(name)
+        return ActionOutcome(action=action, ok=True)
+
+    def release(self) -> None:
+        for e in self.blocked.values():
+            e.set()
+
+
+def workers(steps: Steps, timeout: float = 30.0) -> PlanWorkers:
+    return PlanWorkers(("peermem", "storage"), steps, step_timeout_s=lambda _a: timeout)
+
+
+def finished_of(w: PlanWorkers) -> list:
+    assert w.wait_idle(WAIT)
+    return w.take_finished()
+
+
+def test_submit_returns_at_once_and_one_guards_block_delays_no_other() -> None:
+    steps = Steps("rpcrdma")
+    w = workers(steps)
+    try:
+        began = time.monotonic()
+        w.submit({"storage": Plan("storage", (unload("storage", "rpcrdma"),))})
+        w.submit({"peermem": Plan("peermem", (unload("peermem", "nvidia_peermem"),))})
+        assert time.monotonic() - began < 1.0, "submit waited on a plan"
+        assert steps.entered["rpcrdma"].wait(WAIT)
+        deadline = time.monotonic() + WAIT
+        while "nvidia_peermem" not in steps.ended and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert "nvidia_peermem" in steps.ended, "peermem's step waited behind storage's"
+        assert "rpcrdma" not in steps.ended
+    finally:
+        steps.release()
+    done = finished_of(w)
+    assert sorted(f.plan.guard for f in done) == ["peermem", "storage"]
+    assert all(o.ok for f in done for o in f.outcomes)
+
+
+def test_the_same_decision_again_does_not_restart_the_plan() -> None:
+    steps = Steps("a")
+    w = workers(steps)
+    plan = Plan("storage", (unload("storage", "a"), unload("storage", "b")))
+    w.submit({"storage": plan})
+    assert steps.entered["a"].wait(WAIT)
+    w.submit({"storage": plan})  # decided again from an observation taken mid-step
+    w.submit({"storage": Plan("storage", (unload("storage", "b"),))})  # what is left of it
+    steps.release()
+    (done,) = finished_of(w)
+    assert steps.started == ["a", "b"] and not done.superseded
+
+
+def test_a_new_decision_supersedes_at_the_next_safe_point() -> None:
+    steps = Steps("a")
+    w = workers(steps)
+    w.submit({"storage": Plan("storage", tuple(unload("storage", m) for m in "abc"))})
+    assert steps.entered["a"].wait(WAIT)
+    w.submit({"storage": Plan("storage", (unload("storage", "x"),))})
+    assert "b" not in steps.started
+    steps.release()
+    old, new = finished_of(w)
+    # The step in flight ended on its own; nothing of the old plan started after it.
+    assert [o.action.describe() for o in old.outcomes] == ["unload a"]
+    assert [a.describe() for a in old.not_done] == ["unload b", "unload c"]
+    assert old.superseded
+    assert steps.started == ["a", "x"] and not new.superseded
+
+
+def test_nothing_to_do_cancels_what_was_not_started() -> None:
+    steps = Steps("a")
+    w = workers(steps)
+    w.submit({"storage": Plan("storage", (unload("storage", "a"), unload("storage", "b")))})
+    assert steps.entered["a"].wait(WAIT)
+    w.submit({})  # the guard decides nothing now
+    steps.release()
+    (old,) = finished_of(w)
+    assert old.superseded and steps.started == ["a"]
+
+
+def test_an_urgent_plan_starts_while_the_guards_step_is_in_flight() -> None:
+    steps = Steps("nvidia_peermem_load")
+    w = workers(steps)
+    slow = UnloadModule("peermem", "nvidia_peermem_load", "a slow step")
+    w.submit({"peermem": Plan("peermem", (slow, unload("peermem", "later")))})
+    assert steps.entered["nvidia_peermem_load"].wait(WAIT)
+    w.submit({"peermem": Plan("peermem", (unload("peermem", "nvidia_peermem"),), urgent=True)})
+    deadline = time.monotonic() + WAIT
+    while "nvidia_peermem" not in steps.ended and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert "nvidia_peermem" in steps.ended, "the urgent step waited behind the slow one"
+    steps.release()
+    done = finished_of(w)
+    assert "later" not in steps.started  # the slow plan was superseded by the urgent one
+    assert any(f.plan.urgent for f in done) and any(f.superseded for f in done)
+
+
+def test_a_step_past_its_timeout_is_abandoned_named_and_the_worker_moves_on() -> None:
+    steps = Steps("hangs")
+    w = workers(steps, timeout=0.2)
+    try:
+        w.submit({"storage": Plan("storage", (unload("storage", "hangs"), unload("storage", "x")))})
+        (first,) = finished_of(w)
+        (timed_out,) = first.outcomes
+        assert not timed_out.ok and timed_out.errno == errno.ETIMEDOUT
+        assert "unload hangs: timed out after 0.2 s" in (timed_out.error or "")
+        assert [a.describe() for a in first.not_done] == ["unload x"]  # a sequence stops
+        assert w.abandoned() == ["unload hangs"]
+        # The worker is free: the next plan runs although the abandoned step still hangs.
+        w.submit({"storage": Plan("storage", (unload("storage", "y"),))})
+        (second,) = finished_of(w)
+        assert second.outcomes[0].ok and "hangs" not in steps.ended
+    finally:
+        steps.release()
+    deadline = time.monotonic() + WAIT
+    while w.abandoned() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.abandoned() == []  # the abandoned step ended on its own, later
+
+
+def hanging_tool(tmp_path: Path) -> tuple[str, Path]:
+    """A ``modprobe`` that writes its pid, then hangs until killed."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    pidfile = tmp_path / "modprobe.pid"
+    tool = bindir / "modprobe"
+    tool.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec /bin/sleep 600\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    return str(bindir), pidfile
+
+
+def test_a_hanging_modprobe_is_killed_at_the_step_timeout(tmp_path: Path) -> None:
+    bindir, pidfile = hanging_tool(tmp_path)
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
+    tools = ModprobeTools(path=bindir)
+    act = Actuator(HostRoot(tmp_path), tools, lambda m: [])
+    w = PlanWorkers(("storage",), act.perform, step_timeout_s=lambda _a: 0.5)
+    began = time.monotonic()
+    w.submit({"storage": Plan("storage", (LoadModule("storage", "rpcrdma", ("",), "test"),))})
+    (done,) = finished_of(w)
+    took = time.monotonic() - began
+    (outcome,) = done.outcomes
+    assert not outcome.ok and outcome.errno == errno.ETIMEDOUT, outcome
+    assert took < 30, took  # not the tool's own 300 s
+    pid = int(pidfile.read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        pass  # killed with its step
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the hung modprobe outlived its step")
+    assert w.abandoned() == []  # the backend stopped in time: nothing left running
+
+
+class ReloadKernel:
+    """Module operations mirrored into the temp sysfs; the load of ``hang`` waits for release."""
+
+    def __init__(self, root: Path, hang: str) -> None:
+        self.root = root
+        self.hang = hang
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls: list[str] = []
+
+    def insert_file(self, path: str, params: object) -> None:
+        raise AssertionError("no insmod expected")
+
+    def probe(self, name: str, moddir: str, params: object = ()) -> None:
+        self.calls.append(f"load {name}")
+        if name == self.hang:
+            self.entered.set()
+            assert self.release.wait(WAIT)
+        d = self.root / "sys/module" / name
+        (d / "holders").mkdir(parents=True)
+        (d / "initstate").write_text("live\n")
+        (d / "refcnt").write_text("0\n")
+
+    def remove(self, name: str) -> None:
+        self.calls.append(f"unload {name}")
+        d = self.root / "sys/module" / name
+        for f in ("initstate", "refcnt"):
+            (d / f).unlink()
+        (d / "holders").rmdir()
+        d.rmdir()
+
+
+def test_a_mofed_restart_during_a_storage_reload_supersedes_it(tmp_path: Path) -> None:
+    root = node(tmp_path, "rpcrdma")
+    second = root / "sys/module/nvme_rdma"
+    (second / "holders").mkdir(parents=True)
+    (second / "initstate").write_text("live\n")
+    (second / "refcnt").write_text("0\n")
+    locks = (root / "proc/locks").read_text()
+    kernel = ReloadKernel(root, hang="nvme_rdma")  # the first of the reload's loads
+    records: list[dict] = []
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+        on_record=records.append,
+    )
+    # MOFED pending: both storage modules removed, the hold file written.
+    agent.run_once(["pending"])
+    assert sorted(kernel.calls) == ["unload nvme_rdma", "unload rpcrdma"]
+    assert (root / HOLD).exists()
+    # MOFED ready: the reload begins and hangs in its first load.
+    (root / "proc/locks").write_text("")
+    (root / "run/mellanox/drivers/.driver-ready").write_text("")
+    kernel.calls.clear()
+    agent.run_pass(["ready"])
+    assert kernel.entered.wait(WAIT)
+    # MOFED restarts while that load is in flight: the pass does not wait on it.
+    (root / "run/mellanox/drivers/.driver-ready").unlink()
+    (root / LOCK).touch()
+    (root / "proc/locks").write_text(locks)
+    began = time.monotonic()
+    result = agent.run_pass(["restart"])
+    assert time.monotonic() - began < 5.0, "the pass waited on the hung load"
+    assert result.verdicts["storage"].evidence["mofed_pending"]  # the new decision
+    kernel.release.set()
+    agent.finish_plans(WAIT)
+    superseded = [r for r in records if r["kind"] == "plan-superseded"]
+    assert len(superseded) == 1, "\n".join(
+        str((r["kind"], r.get("guard"), r.get("action"), r.get("verdict"), r.get("reasons")))
+        for r in records
+    )
+    assert superseded[0]["done"][-1] == "load nvme_rdma from /run/mellanox/drivers or the host"
+    assert superseded[0]["not_done"] == ["load rpcrdma from /run/mellanox/drivers or the host"]
+    assert "load rpcrdma" not in kernel.calls  # never started after the restart
+    # The in-flight load landed during the restart: the next passes take it out again.
+    for _ in range(3):
+        agent.run_once(["again"])
+    assert not (root / "sys/module/nvme_rdma").exists()
+    assert (root / HOLD).exists()
