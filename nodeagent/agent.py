@@ -239,19 +239,25 @@ class Agent:
         # Write-ahead: what this pass learned (e.g. "a MOFED restart was seen, that flag is
         # stale") is on disk before any other plan starts, so dying mid-action loses nothing.
         self._save_memory(memory)
+        planned: list[ActionOutcome] = []
         if enforce:
             self.workers.submit(rec.plans, decided_at=now)  # to the workers: never joined
         else:
             planned = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
             memory = self.reconciler.absorb(memory, planned, self.clock())
-            outcomes += planned
 
+        # What the workers did, in the order it happened: before this pass's decisions.
+        for f in finished:
+            if f.superseded:
+                self.record(superseded_record(f))
+        for o in outcomes:
+            self.record(action_record(o))
         signature = (
             tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
             tuple(a.describe() for a in rec.actions),
         )
         changed = signature != self._last_signature
-        if changed or rec.events or any(o.performed for o in outcomes):
+        if changed or rec.events:
             for guard, verdict in rec.verdicts.items():
                 self.record(
                     {
@@ -270,13 +276,10 @@ class Agent:
                     }
                 )
             self._last_signature = signature
-        for f in finished:
-            if f.superseded:
-                self.record(superseded_record(f))
-        for o in outcomes:
-            if not o.performed and not changed:
-                continue  # observe mode: the same undone action is recorded once, not per pass
-            self.record(action_record(o))
+        if changed:  # observe mode: the same undone action is recorded once, not per pass
+            for o in planned:
+                self.record(action_record(o))
+        outcomes += planned
 
         self.memory = memory
         self._save_memory(memory)
