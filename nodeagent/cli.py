@@ -305,6 +305,9 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
             print(f"  - {safe(reason)}")
     for p in _get(status, "problems", list, []):
         print(f"problem: {safe(p)}")
+    for guard, steps in _get(status, "plans_in_flight", dict, {}).items():
+        for step in steps if isinstance(steps, list) else []:
+            print(f"in flight: {safe(str(guard))}: {safe(str(step))}")
     for a in _get(status, "last_actions", list, []):
         state = "done" if _get(a, "performed", bool) else "decided (observe mode)"
         result = "ok" if _get(a, "ok", bool) else f"failed: {safe(_get(a, 'error', str, '?'))}"

@@ -9,13 +9,17 @@ hangs.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from nodeagent.agent import Agent
+from nodeagent.cli import main
 from nodeagent.config import Config
 from nodeagent.core.actions import Action, ActionOutcome, LoadModule, Plan, UnloadModule
 from nodeagent.host.act import Actuator
@@ -284,3 +288,34 @@ def test_a_mofed_restart_during_a_storage_reload_supersedes_it(tmp_path: Path) -
         agent.run_once(["again"])
     assert not (root / "sys/module/nvme_rdma").exists()
     assert (root / HOLD).exists()
+
+
+def test_status_lists_the_step_in_flight_then_the_abandoned_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = node(tmp_path, "rpcrdma")
+    hung = threading.Event()
+    entered = threading.Event()
+
+    class HangingKernel(ReloadKernel):
+        def remove(self, name: str) -> None:
+            entered.set()
+            hung.wait(WAIT)
+
+    cfg = Config(host_root=str(root), mode="enforce", uevents=False, step_timeout_seconds=0.3)
+    agent = Agent(cfg, module_ops=HangingKernel(root, hang=""), kernel_log=lambda m: [])  # type: ignore[arg-type]
+    try:
+        agent.run_pass(["first"])  # the hold file, then the unload of rpcrdma: it hangs
+        assert entered.wait(WAIT)
+        agent.run_pass(["second"])
+        status = json.loads((root / "run/nodeagent/status.json").read_text())
+        assert status["plans_in_flight"] == {"storage": ["unload rpcrdma"]}
+        main(["status", "--host-root", str(root)])
+        assert "in flight: storage: unload rpcrdma" in capsys.readouterr().out
+        assert agent.workers.wait_idle(WAIT)  # past its timeout: abandoned, the worker free
+        agent.run_pass(["third"])
+        status = json.loads((root / "run/nodeagent/status.json").read_text())
+        assert "step still running after its timeout: unload rpcrdma" in status["problems"]
+    finally:
+        hung.set()
+        agent.close()

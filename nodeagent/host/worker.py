@@ -151,6 +151,7 @@ class _Run:
     decided_at: float | None = None
     superseded: bool = False
     started: set[int] = field(default_factory=set)  # indexes of steps begun
+    ended: set[int] = field(default_factory=set)  # ... and of those that returned
 
     def continues_with(self, steps: tuple[Action, ...]) -> bool:
         """``steps`` is what this run still does: its steps from the one in flight on."""
@@ -237,7 +238,7 @@ class GuardWorker:
                 f"{s.describe()}{' (urgent)' if r.plan.urgent else ''}"
                 for r in runs
                 for i, s in enumerate(r.plan.steps)
-                if i in r.started
+                if i in r.started and i not in r.ended
             ]
 
     def _idle(self) -> bool:
@@ -296,9 +297,14 @@ class GuardWorker:
             return run.superseded or self._closing
 
         def step(action: Action) -> ActionOutcome:
+            i = run.plan.steps.index(action)
             with self._cv:
-                run.started.add(run.plan.steps.index(action))
-            return self.run_step(action)
+                run.started.add(i)
+            try:
+                return self.run_step(action)
+            finally:
+                with self._cv:
+                    run.ended.add(i)
 
         outcomes, not_done = execute_plan(run.plan, step, stopped)
         superseded = run.superseded and bool(not_done)
