@@ -81,3 +81,16 @@ def test_guards_never_import_each_other() -> None:
         for name in imports(path):
             assert name not in others, f"{path.name} imports the guard {name}"
             assert name != "nodeagent.core.registry", f"{path.name} imports the guard list"
+
+
+def test_the_loop_never_runs_or_joins_a_plan_itself() -> None:
+    """agent.py hands plans to host/worker.py; it never runs one in its own thread."""
+    agent = CORE.parent / "agent.py"
+    called = {
+        node.func.attr
+        for node in ast.walk(ast.parse(agent.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    }
+    assert "submit" in called  # the plans go to the workers
+    banned = called & {"run_plan", "run_plans", "join", "perform"}
+    assert not banned, f"agent.py calls {banned}: plans run in the workers"
