@@ -292,7 +292,8 @@ class Agent:
         # "a recent, completed pass decided open". An event since the observation makes
         # the decision stale: it vouches for nothing (an open file of an earlier pass goes
         # too), and the next pass, at once since the event is pending, decides again.
-        if not self._can_vouch or self._event_pending():
+        stale = self._event_pending() or not self.observer.markers_unchanged(snap)
+        if not self._can_vouch or stale:
             self.gates.withdraw(self.reconciler.gates)
         else:
             gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}

@@ -333,6 +333,19 @@ class Observer:
             read_problems=MappingProxyType(unread),
         )
 
+    def markers_unchanged(self, snap: NodeSnapshot) -> bool:
+        """Every marker file still as ``snap`` saw it (presence and identity): a few stats.
+
+        Checked right before a gate is published, so a ready flag removed after
+        the observation is caught even before its inotify event reaches the loop.
+        """
+        odd = self.needs.present_if_odd
+        for rel, seen in snap.files.items():
+            now = self.host.file_fact(rel, odd_is_present=rel in odd)
+            if (now.present, now.ident) != (seen.present, seen.ident):
+                return False
+        return True
+
     @staticmethod
     def _run(field: str, reader: Reader, unread: dict[str, tuple[str, ...]]) -> tuple[Any, ...]:
         facts, found = reader()
