@@ -288,16 +288,21 @@ class Agent:
             self.state.write_status(self.status_document(snap, rec.verdicts, outcomes))
         except (OSError, NodeagentError) as exc:
             self._bookkeeping_failed("status write failed", exc, vouch=False)
+
         # Publish last, and only from a pass whose bookkeeping held: a gate file says
         # "a recent, completed pass decided open". An event since the observation makes
         # the decision stale: it vouches for nothing (an open file of an earlier pass goes
         # too), and the next pass, at once since the event is pending, decides again.
-        stale = self._event_pending() or not self.observer.markers_unchanged(snap)
-        if not self._can_vouch or stale:
+        # Asked again between the gate file's fsync and its rename: the window in which a
+        # change can slip past is the few microseconds of those two calls.
+        def fresh() -> bool:
+            return not self._event_pending() and self.observer.markers_unchanged(snap)
+
+        if not self._can_vouch or not fresh():
             self.gates.withdraw(self.reconciler.gates)
         else:
             gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
-            for p in self.gates.publish(gates_open, now, self.cfg.resync_seconds):
+            for p in self.gates.publish(gates_open, now, self.cfg.resync_seconds, fresh):
                 log.error(p)
         with self._pass_done:
             self.passes += 1

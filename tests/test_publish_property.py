@@ -148,3 +148,21 @@ def test_the_published_gate_never_reads_open_while_the_node_decides_closed(
         agent.workers.close(10)
         agent.close()
         node.kernel.uevent_source.close()
+
+
+def test_a_decision_gone_stale_while_its_gate_file_is_written_is_not_renamed_in(
+    tmp_path: Path,
+) -> None:
+    gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
+    assert gates.publish({"peermem": True}, time.time(), 30.0) == []
+    assert gates.read("peermem", time.time()).is_open
+    asked: list[bool] = []
+
+    def went_stale() -> bool:  # asked after the fsync, right before the rename
+        asked.append(True)
+        return False
+
+    assert gates.publish({"peermem": True}, time.time(), 30.0, went_stale) == []
+    assert asked == [True]
+    assert not gates.read("peermem", time.time()).is_open  # the earlier open file went too
+    assert not [p for p in (tmp_path / "run/nodeagent").iterdir() if ".tmp." in p.name]

@@ -24,6 +24,7 @@ import ctypes
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -175,12 +176,21 @@ class HostRoot:
     def __del__(self) -> None:
         self.close()
 
+    @staticmethod
+    def _inside(rel: str) -> str:
+        """``rel`` without a leading '/'; refused when a component is '..'.
+
+        String splitting, not pathlib: it runs for every read of a pass (hundreds
+        on a node with many VFs) and pathlib's parsing was most of their cost.
+        """
+        rel = rel.lstrip("/")
+        if ".." in rel.split("/"):
+            raise NodeagentError(f"path {rel!r} escapes the host root")
+        return rel
+
     def path(self, rel: str) -> Path:
         """``rel`` as a path under the root, for naming and for watches (not for opening)."""
-        rel = rel.lstrip("/")
-        if ".." in Path(rel).parts:
-            raise NodeagentError(f"path {rel!r} escapes the host root")
-        return self.root / rel
+        return self.root / self._inside(rel)
 
     def rel_of(self, path: str | os.PathLike[str]) -> str:
         """The root-relative spelling of a path under ``self.root``."""
@@ -194,14 +204,14 @@ class HostRoot:
         ``follow=False`` refuses a final symlink (ELOOP); intermediate links are
         always followed, inside the root.
         """
-        self.path(rel)  # refuse '..' in configured paths up front
+        rel = self._inside(rel)  # refuse '..' in configured paths up front
         flags |= os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
         try:
-            return openat2_in_root(self.root_fd, rel.lstrip("/"), flags)
+            return openat2_in_root(self.root_fd, rel, flags)
         except OSError as exc:
             if exc.errno != errno.ENOSYS:
                 raise
-        return walk_in_root(self.root_fd, rel.lstrip("/"), flags)
+        return walk_in_root(self.root_fd, rel, flags)
 
     def open_regular(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
         """Open for reading, non-blocking; refuse anything but a regular file."""
@@ -337,7 +347,16 @@ class HostRoot:
         os.close(self.open_dir(rel, create=True))
         return self.path(rel)
 
-    def write_atomic(self, rel: str, data: bytes, mode: int = 0o644) -> None:
+    def write_atomic(
+        self,
+        rel: str,
+        data: bytes,
+        mode: int = 0o644,
+        *,
+        commit: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Temp file, fsync, rename into place. ``commit``, when given, is asked last, after
+        the fsync and right before the rename: False leaves the old file (False returned)."""
         parent, _, name = rel.strip("/").rpartition("/")
         dfd = self.open_dir(parent, create=True)
         try:
@@ -367,9 +386,13 @@ class HostRoot:
                     os.unlink(tmp, dir_fd=dfd)
                 raise
             os.close(fd)
+            if commit is not None and not commit():
+                os.unlink(tmp, dir_fd=dfd)
+                return False
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             with contextlib.suppress(OSError):
                 os.fsync(dfd)
+            return True
         finally:
             os.close(dfd)
 

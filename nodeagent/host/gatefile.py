@@ -5,9 +5,11 @@ A gate file exists only while the last completed pass decided that gate open
 
 1. right after the decision, every closed gate's file is withdrawn, before
    memory, status, timeline or any action;
-2. only when the pass's bookkeeping succeeded (status written) and nothing
-   that wakes the loop arrived after the pass's observation are the open
-   gates' files (re)written, last, carrying the time of the confirming pass;
+2. only when the pass's bookkeeping succeeded (status written), nothing
+   that wakes the loop arrived after the pass's observation and every marker
+   file (MOFED's ready flag, its blacklist) still stats as observed, are the
+   open gates' files (re)written, last, carrying the time of the confirming
+   pass;
 3. a pass that fails in any way, or whose observation an event made stale,
    withdraws every gate file (the next pass, at once, decides again).
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from nodeagent.errors import NodeagentError
@@ -86,8 +88,17 @@ class GateFiles:
                 problems.append(f"cannot withdraw {self.rel(guard)}: {_why(exc)}")
         return problems
 
-    def confirm(self, guard: str, confirmed_at: float, resync_seconds: float) -> None:
-        """(Re)write an open gate's file for the pass that confirmed it. Raises on failure."""
+    def confirm(
+        self,
+        guard: str,
+        confirmed_at: float,
+        resync_seconds: float,
+        still_fresh: Callable[[], bool] | None = None,
+    ) -> bool:
+        """(Re)write an open gate's file for the pass that confirmed it. Raises on failure.
+
+        ``still_fresh`` is asked right before the rename: False (the decision went stale
+        while the file was written) writes nothing and returns False."""
         doc = {
             "version": GATE_VERSION,
             "guard": guard,
@@ -95,18 +106,24 @@ class GateFiles:
             "resync_seconds": resync_seconds,
             "pid": os.getpid(),
         }
-        self.host.write_atomic(self.rel(guard), dumps(doc))
+        return self.host.write_atomic(self.rel(guard), dumps(doc), commit=still_fresh)
 
     def publish(
-        self, open_gates: Mapping[str, bool], confirmed_at: float, resync_seconds: float
+        self,
+        open_gates: Mapping[str, bool],
+        confirmed_at: float,
+        resync_seconds: float,
+        still_fresh: Callable[[], bool] | None = None,
     ) -> list[str]:
-        """Confirm the open gates (closed ones were withdrawn already); fail closed per gate."""
+        """Confirm the open gates (closed ones were withdrawn already); fail closed per gate,
+        and withdraw a gate whose decision went stale while its file was being written."""
         problems: list[str] = []
         for guard, is_open in open_gates.items():
             if not is_open:
                 continue
             try:
-                self.confirm(guard, confirmed_at, resync_seconds)
+                if not self.confirm(guard, confirmed_at, resync_seconds, still_fresh):
+                    problems.extend(self.withdraw([guard]))
             except (OSError, NodeagentError) as exc:
                 problems.append(f"cannot publish {self.rel(guard)}: {_why(exc)}")
                 problems.extend(self.withdraw([guard]))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -48,6 +49,34 @@ Perform = Callable[[Action], ActionOutcome]
 REPORT_GRACE_S = 0.5
 
 
+class _Threads:
+    """Daemon threads kept for reuse: once warm, a step starts without a thread start.
+
+    (A thread start waits for the new thread to run, a GIL hand-off that costs up
+    to a switch interval on a busy process. Not concurrent.futures: its threads
+    are joined at exit, and an abandoned step may never return.)
+    """
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a task and not yet claimed
+
+    def run(self, task: Callable[[], None]) -> None:
+        with self._lock:
+            claimed = self._idle > 0
+            self._idle -= claimed
+        if not claimed:
+            threading.Thread(target=self._loop, name="step", daemon=True).start()
+        self._tasks.put(task)
+
+    def _loop(self) -> None:
+        while True:
+            self._tasks.get()()
+            with self._lock:
+                self._idle += 1
+
+
 class StepRunner:
     """One step, bounded by its timeout; abandoned (not awaited) when it outlives it."""
 
@@ -58,6 +87,7 @@ class StepRunner:
         self.timeout_s = timeout_s
         self.threaded = threaded
         self._lock = threading.Lock()
+        self._threads = _Threads()
         self.abandoned: list[str] = []  # steps still running after their timeout
 
     def __call__(self, action: Action) -> ActionOutcome:
@@ -79,7 +109,7 @@ class StepRunner:
                         self.abandoned.remove(action.describe())
                         log.warning("abandoned step ended late: %s", action.describe())
 
-        threading.Thread(target=body, name=f"step-{action.guard}", daemon=True).start()
+        self._threads.run(body)
         if done.wait(timeout + REPORT_GRACE_S):
             if box:
                 return box[0]
@@ -209,16 +239,10 @@ class GuardWorker:
                 self._ensure_thread()
             self._cv.notify_all()
         if start_urgent is not None:
-            if self.threaded:
-                threading.Thread(
-                    target=self._run_urgent,
-                    args=(start_urgent,),
-                    name=f"urgent-{self.guard}",
-                    daemon=True,
-                ).start()
-            else:
-                with self._cv:
-                    self._urgent_queued.append(start_urgent)
+            with self._cv:
+                self._urgent_queued.append(start_urgent)
+                self._ensure_thread()
+                self._cv.notify_all()
 
     def take_finished(self) -> list[FinishedPlan]:
         with self._cv:
@@ -252,11 +276,16 @@ class GuardWorker:
     # -- running ---------------------------------------------------------------
 
     def _ensure_thread(self) -> None:
+        """Both lanes' threads, started with the guard's first plan and kept: the urgent
+        lane never pays a thread start when a MOFED restart begins."""
         if self.threaded and self._thread is None:
             self._thread = threading.Thread(
                 target=self._main, name=f"worker-{self.guard}", daemon=True
             )
             self._thread.start()
+            threading.Thread(
+                target=self._urgent_main, name=f"urgent-{self.guard}", daemon=True
+            ).start()
 
     def _main(self) -> None:
         while True:
@@ -269,8 +298,15 @@ class GuardWorker:
                 self._queued, self._current = None, run
             self._execute(run)
 
-    def _run_urgent(self, run: _Run) -> None:
-        self._execute(run)
+    def _urgent_main(self) -> None:
+        while True:
+            with self._cv:
+                while not self._urgent_queued and not self._closing:
+                    self._cv.wait()
+                if not self._urgent_queued:
+                    return
+                run = self._urgent_queued.pop(0)
+            self._execute(run)
 
     def run_pending(self) -> None:
         """Stepped mode: run what was submitted, urgent first, in this thread."""
@@ -326,6 +362,9 @@ class GuardWorker:
         with self._cv:
             self._closing = True
             self._queued = None
+            for run in self._urgent_queued:  # not begun: nothing to wait for
+                self._urgent.remove(run)
+            self._urgent_queued.clear()
             self._cv.notify_all()
             return self._cv.wait_for(
                 lambda: self._current is None and not self._urgent, max(0.0, timeout)
