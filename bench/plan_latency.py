@@ -31,7 +31,10 @@ measures restart -> the module backend's ``remove("nvidia_peermem")`` and restar
 the gate file no longer reading open (``GateFiles.read``, what ``nodeagent wait``
 reads), capped at ``--max-wait``. Until MOFED is ready again it also counts every
 publish of the gate file (inotify) and every ``wait`` reading that answers open,
-sampled every 50 ms from one sample period after the restart on. Then it releases
+sampled every 50 ms from one sample period after the restart on. A publish is a
+violation when the file was written (its mtime) after the ready flag's unlink
+began; one written between taking ``.lock`` and that unlink is counted apart: the
+peermem gate does not read MOFED's lock. Then it releases
 the slow step and brings the node back to ready for the next trial.
 
 Exit 0 whatever the figures (a measurement); 1 when the harness itself fails.
@@ -435,6 +438,11 @@ class GateTrial:
     publishes: list[float] = field(default_factory=list)  # seconds after t0
     # of those, published by a pass that began before the restart (its confirmed_at)
     early_passes: int = 0
+    # Wall time just before MOFED's unlink of the ready flag: the restart as the peermem
+    # gate can see it (it does not read MOFED's .lock, taken a moment earlier).
+    flag_wall: float | None = None
+    # publishes written (the gate file's mtime) before that: lock taken, flag still there
+    before_flag: int = 0
     wait_open: list[float] = field(default_factory=list)  # samples answering open, after t0
 
 
@@ -470,6 +478,18 @@ class GateWatch:
         with self.lock:
             self.trial = trial
 
+    def flag_removing(self) -> None:
+        with self.lock:
+            if self.trial is not None:
+                self.trial.flag_wall = time.time()
+
+    def _written_at(self) -> float | None:
+        """The gate file's mtime (wall): when the agent wrote the copy renamed into place."""
+        try:
+            return os.stat(self.gates.host.path(self.gates.rel("peermem"))).st_mtime
+        except OSError:
+            return None
+
     def end(self) -> GateTrial:
         with self.lock:
             trial, self.trial = self.trial, None
@@ -483,6 +503,10 @@ class GateWatch:
             if t is None or now < t.t0:
                 return
             if published:
+                written = self._written_at()
+                if written is not None and t.flag_wall is not None and written < t.flag_wall:
+                    t.before_flag += published
+                    published = 0
                 t.publishes += [now - t.t0] * published
                 confirmed = reading.confirmed_at  # of the last one, if it is still there
                 t.early_passes += confirmed is not None and confirmed < t.t0_wall
@@ -527,6 +551,7 @@ class Trial:
     gate: float | None
     publishes: list[float]
     early_passes: int
+    before_flag: int
     wait_open: list[float]
     closed_at_restart: bool
     went_stale: bool
@@ -703,6 +728,7 @@ class Node:
         where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
         line = f"1: FLOCK  ADVISORY  WRITE {os.getpid()} {where} 0 EOF\n"
         self._write_proc_locks(line)
+        self.watch.flag_removing()
         (self.root / FLAG).unlink()
         return t0
 
@@ -826,6 +852,7 @@ class Node:
             gate=within(withdrawn_at),
             publishes=gate.publishes,
             early_passes=gate.early_passes,
+            before_flag=gate.before_flag,
             wait_open=gate.wait_open,
             closed_at_restart=gate.closed_at_restart,
             went_stale=gate.went_stale and within(withdrawn_at) is not None,
@@ -889,13 +916,18 @@ def report(name: str, trials: list[Trial], args: argparse.Namespace, log: AgentL
         print(f"  capped at {cap:g} s: unload {capped_u}, gate {capped_g} of {len(trials)}")
     pubs = [p for t in trials for p in t.publishes]
     pub_trials = sum(1 for t in trials if t.publishes)
-    line = f"  gate published open after restart: {len(pubs)} (in {pub_trials} trials)"
+    line = f"  gate published open after the flag was removed: {len(pubs)} (in {pub_trials} trials)"
     if pubs:
         line += f"; at {', '.join(show(p, cap) for p in sorted(pubs)[:5])}"
         line += " ..." if len(pubs) > 5 else ""
         early = sum(t.early_passes for t in trials)
         line += f"; {early} read back with a confirmed_at from before the restart"
     print(line)
+    before = sum(t.before_flag for t in trials)
+    print(
+        f"  gate published between taking .lock and removing the flag: {before} "
+        "(the gate does not read MOFED's lock; written before the unlink, by the file's mtime)"
+    )
     opens = [w for t in trials for w in t.wait_open]
     open_trials = sum(1 for t in trials if t.wait_open)
     line = f"  wait answered open after restart: {len(opens)} samples (in {open_trials} trials)"
