@@ -1,0 +1,170 @@
+"""fanotify permission events through ctypes (pyfanotify refuses permission events).
+
+One group, ``FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK``, marked with
+``FAN_MARK_FILESYSTEM`` + ``FAN_OPEN_PERM``: every ``open()`` on a marked
+filesystem waits in the kernel until the group answers ``FAN_ALLOW`` or
+``FAN_DENY``, or the group's descriptor is closed (every pending event is then
+allowed). Facts and kernel lines: ``../shared/research/fanotify-hold.md``.
+
+Rules kept here: the metadata version is checked; events are walked by
+``event_len``; every event's descriptor is closed once answered; an event
+without a descriptor (``FAN_NOFD``: the kernel could not open the file) needs
+no answer, the kernel denied it already. The group's descriptor is close-on-exec,
+so no child inherits it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+FAN_CLOEXEC = 0x00000001
+FAN_NONBLOCK = 0x00000002
+FAN_CLASS_CONTENT = 0x00000004
+FAN_MARK_ADD = 0x00000001
+FAN_MARK_REMOVE = 0x00000002
+FAN_MARK_FILESYSTEM = 0x00000100
+FAN_OPEN_PERM = 0x00010000
+FAN_Q_OVERFLOW = 0x00004000
+FAN_ALLOW = 0x01
+FAN_DENY = 0x02
+FAN_NOFD = -1
+AT_FDCWD = -100
+
+METADATA = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
+RESPONSE = struct.Struct("=iI")  # fd, response
+METADATA_VERSION = 3
+READ_SIZE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PermEvent:
+    """One permission event: the opened file's descriptor (ours to close) and the opener."""
+
+    fd: int  # FAN_NOFD when the kernel could not give one
+    pid: int  # the opener, in the listener's pid namespace (0: not visible from here)
+    mask: int
+
+    @property
+    def overflow(self) -> bool:
+        return bool(self.mask & FAN_Q_OVERFLOW)
+
+
+class EventSource(Protocol):
+    """Where a responder's events come from: the kernel's fanotify group in production,
+    the simulated kernel in the simulator."""
+
+    def fileno(self) -> int: ...
+
+    def read(self) -> list[PermEvent]: ...
+
+    def respond(self, event: PermEvent, allow: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
+    libc.fanotify_init.restype = ctypes.c_int
+    libc.fanotify_mark.argtypes = [
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.c_uint64,
+        ctypes.c_int,
+        ctypes.c_char_p,
+    ]
+    libc.fanotify_mark.restype = ctypes.c_int
+    return libc
+
+
+def parse_events(buf: bytes) -> tuple[list[PermEvent], list[str]]:
+    """Events from one read, walked by ``event_len``; (events, problems).
+
+    A record of another metadata version, or one whose length does not fit,
+    ends the walk with a problem (its descriptor, if any, is closed).
+    """
+    events: list[PermEvent] = []
+    problems: list[str] = []
+    off = 0
+    while off + METADATA.size <= len(buf):
+        event_len, vers, _res, _mlen, mask, fd, pid = METADATA.unpack_from(buf, off)
+        if vers != METADATA_VERSION:
+            problems.append(f"fanotify metadata version {vers}, expected {METADATA_VERSION}")
+            if fd >= 0:
+                events.append(PermEvent(fd, pid, mask))  # answered allow by the caller
+            break
+        if event_len < METADATA.size or off + event_len > len(buf):
+            problems.append(f"fanotify event of length {event_len} at offset {off} is malformed")
+            break
+        events.append(PermEvent(fd, pid, mask))
+        off += event_len
+    return events, problems
+
+
+class FanotifyGroup:
+    """A content-class fanotify group; raises OSError (with errno) when the kernel refuses."""
+
+    def __init__(self) -> None:
+        self._libc = _libc()
+        flags = FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK
+        event_flags = os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
+        fd = self._libc.fanotify_init(flags, event_flags)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fanotify_init: {os.strerror(err)}")
+        self.fd: int = fd
+        self.problems: list[str] = []  # malformed records seen by read()
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def _mark(self, flags: int, path: str) -> None:
+        rc = self._libc.fanotify_mark(
+            self.fd, flags | FAN_MARK_FILESYSTEM, FAN_OPEN_PERM, AT_FDCWD, os.fsencode(path)
+        )
+        if rc < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
+
+    def mark_filesystem(self, path: str) -> None:
+        """Hold every open on the filesystem that ``path`` is on (any mount of it)."""
+        self._mark(FAN_MARK_ADD, path)
+
+    def unmark_filesystem(self, path: str) -> None:
+        self._mark(FAN_MARK_REMOVE, path)
+
+    def read(self) -> list[PermEvent]:
+        try:
+            buf = os.read(self.fd, READ_SIZE)
+        except BlockingIOError:
+            return []
+        except OSError as exc:
+            if exc.errno == errno.EINTR:
+                return []
+            raise
+        events, problems = parse_events(buf)
+        self.problems.extend(problems)
+        return events
+
+    def respond(self, event: PermEvent, allow: bool) -> None:
+        """Answer and close the event's descriptor (an FAN_NOFD event needs neither)."""
+        if event.fd < 0:
+            return
+        try:
+            os.write(self.fd, RESPONSE.pack(event.fd, FAN_ALLOW if allow else FAN_DENY))
+        except OSError as exc:  # ENOENT: the event is gone (the opener was killed)
+            if exc.errno != errno.ENOENT:
+                raise
+        finally:
+            os.close(event.fd)
+
+    def close(self) -> None:
+        """The kernel allows every event still pending."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)

@@ -1,0 +1,211 @@
+"""The responder: holds a module loader's open of ``nvidia-peermem.ko`` while the gate is closed.
+
+One thread of its own answers every fanotify permission event on the marked
+filesystems (``host/fanotify.py``, or any ``EventSource``):
+
+1. an event from the agent's own pid is allowed before anything else is done
+   with it (the agent's own opens must never wait on itself);
+2. an open of anything but the peermem module file is allowed at once;
+3. an open of it by a module loader (``modprobe``/``insmod``/``kmod``, read from
+   ``/proc/<pid>/exe`` and ``/proc/<pid>/comm``, never guessed) is held while
+   the gate reads closed, and allowed the moment it reads open, when its hold
+   budget runs out, or when the responder stops;
+4. anything it cannot identify (pid 0: the agent does not see the opener's pid
+   namespace) is allowed: the hold never blocks what it cannot name.
+
+It never waits on a pass, a plan, a lock or a disk write: ``gate_open()`` reads
+the last decision, and the loop calls ``wake()`` after each one. It writes no
+log and imports nothing after it starts (either could open a file on a marked
+filesystem and wait on itself); what it did goes to ``reports``, for the loop
+to record.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nodeagent.host.fanotify import EventSource, PermEvent
+
+LOADERS = frozenset({"modprobe", "insmod", "kmod"})
+TARGET = re.compile(r"nvidia[-_]peermem\.ko(\.(xz|zst|gz))?")
+
+
+@dataclass(frozen=True)
+class HoldReport:
+    """One held open, once it ended: who, which file, how long, how it ended."""
+
+    pid: int
+    opener: str
+    path: str
+    seconds: float
+    ended: str  # "gate opened" | "budget expired" | "responder stopped" | "opener gone"
+
+
+@dataclass
+class _Held:
+    event: PermEvent
+    opener: str
+    path: str
+    began: float
+
+
+def is_loader(pid: int, proc: str = "/proc") -> tuple[bool, str]:
+    """(a module loader?, its name) from both ``exe`` and ``comm``: kmod's modprobe is a
+    link to ``kmod`` whose ``comm`` says ``modprobe``."""
+    names: set[str] = set()
+    with contextlib.suppress(OSError):
+        names.add(os.path.basename(os.readlink(f"{proc}/{pid}/exe")).removesuffix(" (deleted)"))
+    with (
+        contextlib.suppress(OSError),
+        open(f"{proc}/{pid}/comm", encoding="utf-8", errors="replace") as f,
+    ):
+        names.add(f.read(64).strip())
+    names.discard("")
+    loader = sorted(names & LOADERS)
+    return bool(loader), (loader[0] if loader else ",".join(sorted(names)) or "?")
+
+
+def event_path(event: PermEvent) -> str:
+    """The opened file's path as this process sees it (readlink: no open, no event)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{event.fd}")
+    except OSError:
+        return "?"
+
+
+class Responder:
+    def __init__(
+        self,
+        source: EventSource,
+        *,
+        gate_open: Callable[[], bool],
+        budget_s: float,
+        own_pid: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        loader_of: Callable[[int], tuple[bool, str]] = is_loader,
+    ) -> None:
+        self.source = source
+        self.gate_open = gate_open
+        self.budget_s = budget_s
+        self.own_pid = os.getpid() if own_pid is None else own_pid
+        self.clock = clock
+        self.loader_of = loader_of
+        self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
+        self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0}
+        self._held: list[_Held] = []
+        self._lock = threading.Lock()  # guards _held for readers (status); never held long
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="fanotify-responder", daemon=True)
+
+    # -- the loop's side -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """The gate may have changed: look now (cheap, never blocks)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    def held(self) -> list[tuple[int, str, str, float]]:
+        """(pid, opener, path, seconds held) of every open held now."""
+        now = self.clock()
+        with self._lock:
+            return [(h.event.pid, h.opener, h.path, now - h.began) for h in self._held]
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Allow everything held, stop answering, close the source (the kernel allows the
+        rest)."""
+        self._stopping = True
+        self.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.source.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- the responder thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.source.fileno(), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stopping:
+            with contextlib.suppress(InterruptedError):
+                poller.poll(self._timeout_ms())
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.read(self._wake_r, 4096)
+            for event in self.source.read():
+                self._answer(event)
+            self._release()
+        self._release(stopping=True)
+
+    def _timeout_ms(self) -> int | None:
+        with self._lock:
+            if not self._held:
+                return None
+            due = min(h.began for h in self._held) + self.budget_s
+        return max(0, int((due - self.clock()) * 1000) + 1)
+
+    def _allow(self, event: PermEvent) -> None:
+        self.source.respond(event, True)
+        self.counts["allowed"] += 1
+
+    def _answer(self, event: PermEvent) -> None:
+        if event.pid == self.own_pid:  # first: the agent's own opens never wait on it
+            self._allow(event)
+            return
+        if event.overflow:
+            self.counts["overflow"] += 1
+            self._allow(event)
+            return
+        path = event_path(event)
+        if not TARGET.fullmatch(os.path.basename(path)):
+            self._allow(event)
+            return
+        if event.pid <= 0:
+            self.counts["unidentified"] += 1
+            self._allow(event)
+            return
+        loader, name = self.loader_of(event.pid)
+        if not loader or self.gate_open():
+            self._allow(event)
+            return
+        with self._lock:
+            self._held.append(_Held(event, name, path, self.clock()))
+        self.counts["held"] += 1
+
+    def _release(self, stopping: bool = False) -> None:
+        """Answer held opens whose gate opened, budget ran out, or opener went away."""
+        with self._lock:
+            if not self._held:
+                return
+            is_open = self.gate_open()
+            now = self.clock()
+            keep: list[_Held] = []
+            done: list[tuple[_Held, str]] = []
+            for h in self._held:
+                if stopping:
+                    done.append((h, "responder stopped"))
+                elif is_open:
+                    done.append((h, "gate opened"))
+                elif now - h.began >= self.budget_s:
+                    done.append((h, "budget expired"))
+                elif not os.path.exists(f"/proc/{h.event.pid}"):
+                    done.append((h, "opener gone"))
+                else:
+                    keep.append(h)
+            self._held = keep
+        for h, why in done:
+            self._allow(h.event)
+            self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))

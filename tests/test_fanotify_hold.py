@@ -1,0 +1,180 @@
+"""The fanotify responder on this machine's own kernel: a real group, a real mark.
+
+A tmpfs is mounted for each test and marked ``FAN_MARK_FILESYSTEM`` +
+``FAN_OPEN_PERM``; the openers are real processes (``/bin/cat``, and a copy of
+it named ``modprobe``, outside the marked filesystem, so the kernel reports a
+module loader by its ``exe`` and ``comm``). Skipped, with the reason, where
+this machine cannot mount or its kernel refuses a permission group. The same
+code on the real Debian 6.1 kernel with an overlay root is the real-kernel
+suite's part (a later slice).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nodeagent.host.fanotify import (
+    METADATA,
+    METADATA_VERSION,
+    FanotifyGroup,
+    parse_events,
+)
+from nodeagent.host.hold import Responder
+
+WAIT = 10.0
+CONTENT = b"\x7fELF not really a module\n"
+
+
+@dataclass
+class Marked:
+    root: Path  # the marked filesystem's mount point
+    target: Path  # .../nvidia-peermem.ko
+    other: Path
+    modprobe: str  # a copy of cat named modprobe, outside the mark
+    gate: threading.Event
+    responder: Responder
+
+
+def _mount_tmpfs(where: Path) -> str | None:
+    if os.geteuid() != 0:
+        return "not root: cannot mount a tmpfs to mark"
+    p = subprocess.run(["mount", "-t", "tmpfs", "nodeagent-test", str(where)], capture_output=True)
+    if p.returncode != 0:
+        return f"mount -t tmpfs failed: {p.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+@pytest.fixture
+def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    why = _mount_tmpfs(fs)
+    if why:
+        pytest.skip(why)
+    budget = getattr(request, "param", 60.0)
+    responder = None
+    try:
+        moddir = fs / "lib/modules/6.1.0-test/kernel/drivers/video"
+        moddir.mkdir(parents=True)
+        target = moddir / "nvidia-peermem.ko"
+        target.write_bytes(CONTENT)
+        other = moddir / "nvidia.ko"
+        other.write_bytes(b"other\n")
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        modprobe = bindir / "modprobe"
+        shutil.copy("/bin/cat", modprobe)
+        try:
+            group = FanotifyGroup()
+        except OSError as exc:
+            pytest.skip(f"fanotify permission group refused here: {exc}")
+        group.mark_filesystem(str(fs))
+        gate = threading.Event()
+        responder = Responder(group, gate_open=gate.is_set, budget_s=budget)
+        responder.start()
+        yield Marked(fs, target, other, str(modprobe), gate, responder)
+    finally:
+        if responder is not None:
+            responder.stop()  # closes the group: the kernel allows whatever is pending
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+def until(pred: object, what: str) -> None:
+    end = time.monotonic() + WAIT
+    while not pred():  # type: ignore[operator]
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
+
+
+def test_other_files_and_non_loaders_are_allowed_at_once(marked: Marked) -> None:
+    for argv in (["cat", str(marked.other)], ["cat", str(marked.target)]):
+        p = subprocess.run(argv, capture_output=True, timeout=WAIT)
+        assert p.returncode == 0, p.stderr
+    assert marked.responder.counts["held"] == 0
+    assert marked.responder.counts["allowed"] >= 2
+
+
+def test_a_loader_is_held_while_the_gate_is_closed_and_released_when_it_opens(
+    marked: Marked,
+) -> None:
+    proc = subprocess.Popen([marked.modprobe, str(marked.target)], stdout=subprocess.PIPE)
+    try:
+        until(lambda: marked.responder.held(), "the loader's open was not held")
+        ((pid, opener, path, _secs),) = marked.responder.held()
+        assert (pid, opener, os.path.basename(path)) == (proc.pid, "modprobe", "nvidia-peermem.ko")
+        time.sleep(0.2)
+        assert proc.poll() is None, "the held opener went on"
+        marked.gate.set()
+        marked.responder.wake()
+        out, _ = proc.communicate(timeout=WAIT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out == CONTENT
+    until(lambda: marked.responder.reports, "no report")
+    (report,) = marked.responder.reports
+    assert (report.pid, report.opener, report.ended) == (proc.pid, "modprobe", "gate opened")
+
+
+def test_the_agents_own_open_is_never_held(marked: Marked) -> None:
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(marked.target.read_bytes()), daemon=True)
+    reader.start()
+    reader.join(WAIT)
+    assert got == [CONTENT], "the agent's own open waited on its responder"
+
+
+@pytest.mark.parametrize("marked", [0.3], indirect=True)
+def test_the_hold_budget_expires_into_an_allowed_open_and_a_report(marked: Marked) -> None:
+    p = subprocess.run([marked.modprobe, str(marked.target)], capture_output=True, timeout=WAIT)
+    assert p.returncode == 0 and p.stdout == CONTENT
+    until(lambda: marked.responder.reports, "no report")
+    (report,) = marked.responder.reports
+    assert report.ended == "budget expired" and report.seconds >= 0.3
+
+
+def test_stopping_the_responder_releases_a_held_opener(marked: Marked) -> None:
+    proc = subprocess.Popen([marked.modprobe, str(marked.target)], stdout=subprocess.PIPE)
+    try:
+        until(lambda: marked.responder.held(), "the loader's open was not held")
+        marked.responder.stop()
+        out, _ = proc.communicate(timeout=WAIT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out == CONTENT
+    assert [r.ended for r in marked.responder.reports] == ["responder stopped"]
+
+
+def test_a_held_opener_can_be_killed_and_is_forgotten(marked: Marked) -> None:
+    proc = subprocess.Popen([marked.modprobe, str(marked.target)], stdout=subprocess.PIPE)
+    until(lambda: marked.responder.held(), "the loader's open was not held")
+    proc.kill()
+    proc.wait(WAIT)  # the wait in the kernel is killable
+    marked.responder.wake()
+    until(lambda: not marked.responder.held(), "a dead opener is still held")
+    assert [r.ended for r in marked.responder.reports] == ["opener gone"]
+    # The responder still answers: the next open goes through.
+    p = subprocess.run(["cat", str(marked.other)], capture_output=True, timeout=WAIT)
+    assert p.returncode == 0
+
+
+def record(event_len: int, vers: int = METADATA_VERSION, fd: int = -1, pid: int = 7) -> bytes:
+    return METADATA.pack(event_len, vers, 0, METADATA.size, 0x10000, fd, pid)
+
+
+def test_events_are_walked_by_event_len_and_bad_records_named() -> None:
+    buf = record(METADATA.size, pid=1) + record(METADATA.size + 8, pid=2) + b"\0" * 8
+    events, problems = parse_events(buf)
+    assert [e.pid for e in events] == [1, 2] and problems == []
+    events, problems = parse_events(record(METADATA.size, vers=2))
+    assert events == [] and problems == ["fanotify metadata version 2, expected 3"]
+    events, problems = parse_events(record(4 * METADATA.size))
+    assert events == [] and "malformed" in problems[0]
