@@ -96,7 +96,16 @@ def until(pred: object, what: str) -> None:
 
 
 def test_other_files_and_non_loaders_are_allowed_at_once(marked: Marked) -> None:
-    for argv in (["cat", str(marked.other)], ["cat", str(marked.target)]):
+    # kmod's modinfo: exe says kmod (as for its modprobe), comm says modinfo: not a loader.
+    bindir = os.path.dirname(marked.modprobe)
+    shutil.copy("/bin/cat", os.path.join(bindir, "kmod"))
+    modinfo = os.path.join(bindir, "modinfo")
+    os.symlink("kmod", modinfo)
+    for argv in (
+        ["cat", str(marked.other)],
+        ["cat", str(marked.target)],
+        [modinfo, str(marked.target)],
+    ):
         p = subprocess.run(argv, capture_output=True, timeout=WAIT)
         assert p.returncode == 0, p.stderr
     assert marked.responder.counts["held"] == 0

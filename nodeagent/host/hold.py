@@ -6,8 +6,9 @@ filesystems (``host/fanotify.py``, or any ``EventSource``):
 1. an event from the agent's own pid is allowed before anything else is done
    with it (the agent's own opens must never wait on itself);
 2. an open of anything but the peermem module file is allowed at once;
-3. an open of it by a module loader (``modprobe``/``insmod``/``kmod``, read from
-   ``/proc/<pid>/exe`` and ``/proc/<pid>/comm``, never guessed) is held while
+3. an open of it by a module loader (``modprobe``/``insmod`` by ``/proc/<pid>/comm``
+   or ``/proc/<pid>/exe``, never guessed; ``modinfo``, ``depmod`` and ``cat`` are
+   not loaders, though kmod's ``exe`` is the same for all) is held while
    the gate reads closed, and allowed the moment it reads open, when its hold
    budget runs out, or when the responder stops;
 4. anything it cannot identify (pid 0: the agent does not see the opener's pid
@@ -34,7 +35,9 @@ from dataclasses import dataclass
 
 from nodeagent.host.fanotify import EventSource, PermEvent
 
-LOADERS = frozenset({"modprobe", "insmod", "kmod"})
+# kmod is one binary for modprobe, insmod, modinfo, depmod...: its exe says "kmod" for all
+# of them, its comm (argv[0]'s name) says which. So "kmod" alone names no loader.
+LOADERS = frozenset({"modprobe", "insmod"})
 TARGET = re.compile(r"nvidia[-_]peermem\.ko(\.(xz|zst|gz))?")
 
 
@@ -58,8 +61,8 @@ class _Held:
 
 
 def is_loader(pid: int, proc: str = "/proc") -> tuple[bool, str]:
-    """(a module loader?, its name) from both ``exe`` and ``comm``: kmod's modprobe is a
-    link to ``kmod`` whose ``comm`` says ``modprobe``."""
+    """(a module loader?, its name) from ``exe`` and ``comm``: kmod's modprobe is a link
+    to ``kmod`` whose ``comm`` says ``modprobe``; busybox's says ``busybox``."""
     names: set[str] = set()
     with contextlib.suppress(OSError):
         names.add(os.path.basename(os.readlink(f"{proc}/{pid}/exe")).removesuffix(" (deleted)"))

@@ -1,0 +1,236 @@
+"""The fanotify responder on the real Debian 6.1 kernel, with a driver-container-like root.
+
+The root is an overlay (a small lower tree with kmod, cat and their libraries,
+and a module tree holding ``nvidia-peermem.ko``: a test module that needs the
+symbols of an ``ib_core``-like provider, which modprobe loads first),
+rbind-mounted elsewhere as ``/run/nvidia/driver`` is, and entered by chroot
+from another mount namespace (``unshare -m``), as the driver container's
+``modprobe`` runs. One ``FAN_MARK_FILESYSTEM`` + ``FAN_OPEN_PERM`` mark on the
+overlay. The gate is driven by the test through the responder's decision
+seam (``gate_open``, a ``threading.Event``): the agent wiring is a later slice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.hold import Responder
+
+from .modbuild import KModule
+
+pytestmark = pytest.mark.realkernel
+
+WAIT = 20.0
+SYM = "na_hold_register_peer"
+PROV = KModule(
+    "na_hold_ib",
+    {
+        "na_hold_ib.c": f"""
+#include <linux/module.h>
+int {SYM}(void) {{ return 0; }}
+EXPORT_SYMBOL({SYM});
+MODULE_LICENSE("GPL");
+"""
+    },
+)
+PEER = KModule(
+    "na_hold_peer",
+    {
+        "na_hold_peer.c": f"""
+#include <linux/module.h>
+extern int {SYM}(void);
+static int __init m_init(void) {{ return {SYM}(); }}
+static void __exit m_exit(void) {{}}
+module_init(m_init);
+module_exit(m_exit);
+MODULE_LICENSE("GPL");
+"""
+    },
+    uses=(PROV,),
+)
+
+
+@dataclass
+class Root:
+    merged: str
+    bind: str
+    kver: str
+
+
+def _copy_in(lower: str, path: str) -> None:
+    os.makedirs(lower + os.path.dirname(path), exist_ok=True)
+    shutil.copy(path, lower + path)
+
+
+def _loaded(name: str) -> bool:
+    return any(line.split()[0] == name for line in Path("/proc/modules").read_text().splitlines())
+
+
+def _unload() -> None:
+    for name in (PEER.name, PROV.name):
+        if _loaded(name):
+            subprocess.run(["rmmod", name], check=False)
+
+
+@pytest.fixture
+def root(built_modules: Callable[[KModule], Path]) -> Iterator[Root]:
+    kver = os.uname().release
+    top = "/tmp/na-hold"
+    subprocess.run(["umount", "-R", "-l", top], capture_output=True)
+    shutil.rmtree(top, ignore_errors=True)
+    os.makedirs(top)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", top], check=True)
+    lower, upper, work, merged, bind = (f"{top}/{d}" for d in ("l", "u", "w", "m", "b"))
+    for d in (lower, upper, work, merged, bind):
+        os.makedirs(d)
+    mods = f"{lower}/lib/modules/{kver}/kernel/drivers"
+    os.makedirs(f"{mods}/video")
+    os.makedirs(f"{mods}/infiniband")
+    shutil.copy(built_modules(PEER), f"{mods}/video/nvidia-peermem.ko")  # the name the hold reads
+    shutil.copy(built_modules(PROV), f"{mods}/infiniband/na_hold_ib.ko")
+    kmod = shutil.which("kmod") or "/usr/bin/kmod"
+    tools = [kmod, "/usr/bin/cat"]
+    for t in tools:
+        _copy_in(lower, t)
+    libs = subprocess.run(["ldd", *tools], capture_output=True, text=True).stdout.split()
+    for lib in (w for w in libs if w.startswith("/") and os.path.exists(w)):
+        _copy_in(lower, lib)
+    os.makedirs(f"{lower}/usr/sbin", exist_ok=True)
+    for n in ("modprobe", "insmod", "modinfo", "depmod"):
+        os.symlink(kmod, f"{lower}/usr/sbin/{n}")
+    for p in ("lib", "lib64", "bin"):
+        if not os.path.exists(f"{lower}/{p}") and os.path.islink(f"/{p}"):
+            os.symlink(os.readlink(f"/{p}"), f"{lower}/{p}")
+    os.makedirs(f"{lower}/proc")
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, merged], check=True)
+    subprocess.run(["chroot", merged, "/usr/sbin/depmod", kver], check=True)
+    subprocess.run(["mount", "--rbind", merged, bind], check=True)  # like /run/nvidia/driver
+    _unload()
+    try:
+        yield Root(merged, bind, kver)
+    finally:
+        _unload()
+        subprocess.run(["umount", "-R", "-l", top], capture_output=True)
+
+
+def in_container(root: Root, *argv: str) -> list[str]:
+    """As the driver container runs it: another mount namespace, chrooted into the bind."""
+    return ["unshare", "-m", "--propagation", "private", "chroot", root.bind, *argv]
+
+
+@pytest.fixture
+def hold(root: Root) -> Iterator[tuple[Responder, threading.Event]]:
+    group = FanotifyGroup()
+    group.mark_filesystem(root.merged)
+    gate = threading.Event()
+    responder = Responder(group, gate_open=gate.is_set, budget_s=60.0)
+    responder.start()
+    try:
+        yield responder, gate
+    finally:
+        responder.stop()
+
+
+def until(pred: Callable[[], object], what: str) -> None:
+    end = time.monotonic() + WAIT
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def test_modprobe_in_the_container_is_held_until_the_gate_opens(
+    root: Root, hold: tuple[Responder, threading.Event]
+) -> None:
+    responder, gate = hold
+    proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
+    try:
+        until(responder.held, "modprobe's open of nvidia-peermem.ko was not held")
+        ((pid, opener, path, _),) = responder.held()
+        assert pid == proc.pid or opener in ("modprobe", "kmod"), (pid, opener)
+        assert os.path.basename(path) == "nvidia-peermem.ko"
+        # Its dependency went through first; the peermem-like module is not in.
+        assert _loaded(PROV.name) and not _loaded(PEER.name)
+        # Readers of the same file, and depmod, are not held.
+        rel = f"/lib/modules/{root.kver}/kernel/drivers/video/nvidia-peermem.ko"
+        for argv in (
+            ["/usr/bin/cat", rel],
+            ["/usr/sbin/modinfo", "nvidia-peermem"],
+            ["/usr/sbin/depmod", root.kver],
+        ):
+            p = subprocess.run(in_container(root, *argv), capture_output=True, timeout=WAIT)
+            assert p.returncode == 0, (argv, p.stderr)
+        assert proc.poll() is None, "the held modprobe went on"
+        gate.set()
+        responder.wake()
+        assert proc.wait(WAIT) == 0
+    finally:
+        proc.kill()
+    assert _loaded(PEER.name)
+    assert [r.ended for r in responder.reports] == ["gate opened"]
+
+
+def test_a_held_modprobe_can_be_killed(root: Root, hold: tuple[Responder, threading.Event]) -> None:
+    responder, _gate = hold
+    proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
+    until(responder.held, "not held")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(WAIT)
+    responder.wake()
+    until(lambda: not responder.held(), "a killed opener is still held")
+    assert not _loaded(PEER.name)
+
+
+def test_the_budget_expires_into_a_load_and_a_report(root: Root) -> None:
+    group = FanotifyGroup()
+    group.mark_filesystem(root.merged)
+    responder = Responder(group, gate_open=lambda: False, budget_s=1.0)
+    responder.start()
+    try:
+        p = subprocess.run(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"), timeout=WAIT)
+        assert p.returncode == 0 and _loaded(PEER.name)
+        until(lambda: responder.reports, "no report")
+        (report,) = responder.reports
+        assert report.ended == "budget expired" and report.seconds >= 1.0
+    finally:
+        responder.stop()
+
+
+AGENT = """
+import sys, threading, time
+from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.hold import Responder
+group = FanotifyGroup()
+group.mark_filesystem(sys.argv[1])
+Responder(group, gate_open=lambda: False, budget_s=3600).start()
+print("marked", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_sigkill_of_the_agent_releases_the_held_opener(root: Root) -> None:
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, root.merged], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "marked"
+        proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
+        time.sleep(1.0)
+        assert proc.poll() is None, "modprobe was not held by the agent"
+        agent.send_signal(signal.SIGKILL)
+        assert proc.wait(WAIT) == 0  # the kernel allows what the dead group held
+    finally:
+        agent.kill()
+    assert _loaded(PEER.name)
