@@ -35,8 +35,10 @@ from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, readable
+from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
+from nodeagent.host.hold import Responder, sees_host_pids, start_hold
 from nodeagent.host.kmod import ModuleOps, default_module_ops
 from nodeagent.host.netlink import PyrouteOps, SriovOps
 from nodeagent.host.observe import Observer, Readers, no_sriov
@@ -180,6 +182,10 @@ class Agent:
         for p in problems:
             log.warning(p)
             self.record({"kind": "state-problem", "problem": p})
+        # The fanotify hold of anyone's peermem load ([peermem] hold_loads), started by run().
+        self.hold: Responder | None = None
+        self.hold_marked: list[str] = []
+        self._hold_gate_open = False  # what the responder reads: never a file, never a lock
         self._last_signature: Any = None
         self._saved_memory: dict[str, Any] | None = None
         self.passes = 0
@@ -232,6 +238,8 @@ class Agent:
         self._pass_problems += self.gates.withdraw(
             g for g in self.reconciler.gates if not rec.verdicts[g].ok
         )
+        if "peermem" in rec.verdicts and not rec.verdicts["peermem"].ok:
+            self._set_hold_gate(False)
         enforce = self.cfg.mode == "enforce"
         if enforce:
             self.workers.submit(rec.plans, only_urgent=True, decided_at=now)
@@ -298,12 +306,18 @@ class Agent:
         def fresh() -> bool:
             return not self._event_pending() and self.observer.markers_unchanged(snap)
 
+        published: list[str] = []
         if not self._can_vouch or not fresh():
             self.gates.withdraw(self.reconciler.gates)
         else:
             gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
-            for p in self.gates.publish(gates_open, now, self.cfg.resync_seconds, fresh):
+            problems = self.gates.publish(gates_open, now, self.cfg.resync_seconds, fresh)
+            for p in problems:
                 log.error(p)
+            published = [g for g, ok in gates_open.items() if ok and not problems]
+        # The hold follows the published gate: a held load goes on only when `wait` would.
+        self._set_hold_gate("peermem" in published)
+        self._record_holds()
         with self._pass_done:
             self.passes += 1
             self._pass_done.notify_all()
@@ -315,6 +329,54 @@ class Agent:
             woken_by=tuple(woken_by),
             started=now,
         )
+
+    def _set_hold_gate(self, is_open: bool) -> None:
+        if self.hold is not None and is_open != self._hold_gate_open:
+            self._hold_gate_open = is_open
+            self.hold.wake()
+
+    def _record_holds(self) -> None:
+        """Every held open that ended since the last pass, as a timeline record."""
+        if self.hold is None:
+            return
+        while self.hold.reports:
+            r = self.hold.reports.popleft()
+            self.record(
+                {
+                    "kind": "held-open",
+                    "guard": "peermem",
+                    "pid": r.pid,
+                    "opener": r.opener,
+                    "path": r.path,
+                    "seconds": round(r.seconds, 3),
+                    "ended": r.ended,
+                }
+            )
+
+    def _start_hold(self) -> None:
+        """Mark the filesystems of [peermem] hold_roots and start the responder (run())."""
+        pol = self.cfg.policy("peermem")
+        if self.cfg.mode != "enforce" or getattr(pol, "hold_loads", "off") != "fanotify":
+            return
+        try:
+            group: FanotifyGroup | None = FanotifyGroup()
+        except OSError as exc:
+            group = None
+            self.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
+        roots = [(r, str(self.host.path(r))) for r in pol.hold_roots]
+        self.hold, self.hold_marked, problems = start_hold(
+            group,
+            group.mark_filesystem if group is not None else lambda _p: None,
+            roots,
+            gate_open=lambda: self._hold_gate_open,
+            budget_s=pol.hold_budget_s,
+            host_pids=sees_host_pids(),
+        )
+        for p in problems:
+            log.warning(p)
+            self.record({"kind": "state-problem", "problem": p})
+        if self.hold is not None:
+            self.record({"kind": "hold-started", "marked": self.hold_marked})
 
     def _event_pending(self) -> bool:
         """Did anything that wakes the loop arrive since this pass drained its sources?"""
@@ -396,6 +458,17 @@ class Agent:
                 ],
                 # Steps the guards' workers have begun and not yet handed back.
                 "plans_in_flight": self.workers.in_flight(),
+                "hold": None
+                if self.hold is None
+                else {
+                    "marked": self.hold_marked,
+                    "gate_open": self._hold_gate_open,
+                    "held": [
+                        {"pid": p, "opener": o, "path": f, "seconds": round(t, 3)}
+                        for p, o, f, t in self.hold.held()
+                    ],
+                    "counts": dict(self.hold.counts),
+                },
                 "guards": {g: v.to_json() for g, v in verdicts.items()},
                 "last_actions": [
                     {
@@ -473,6 +546,7 @@ class Agent:
         waker = Waker([*sources, self.plans_ended])
         self._wake_sources = [*sources]
         self.record({"kind": "start", "mode": self.cfg.mode, "host_root": str(root)})
+        self._start_hold()  # before the first pass: its decision opens or keeps closed
         try:
             woken_by = ["start"]
             next_resync = self.clock() + self.cfg.resync_seconds
@@ -491,6 +565,9 @@ class Agent:
                 deadline = next_resync if wake_at is None else min(next_resync, wake_at)
                 woken_by = waker.wait(max(0.0, deadline - now))
         finally:
+            if self.hold is not None:
+                self.hold.stop()  # every held open is allowed and reported
+                self._record_holds()
             watch.close()
             self._stop_actions()
             self.record({"kind": "stop"})

@@ -44,6 +44,8 @@ KNOWN_KINDS = (
     "decision",
     "action",
     "plan-superseded",
+    "hold-started",
+    "held-open",
     "pass-error",
     "state-problem",
 )
@@ -89,6 +91,14 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"{r.get('guard')}: plan superseded by a newer decision; not done: "
         + ("; ".join(str(a) for a in r.get("not_done") or []) or "nothing")
     ),
+    "hold-started": lambda r: (
+        "holding module loaders' opens of nvidia-peermem.ko on "
+        + ", ".join(str(m) for m in r.get("marked") or [])
+    ),
+    "held-open": lambda r: (
+        f"{r.get('opener')} (pid {r.get('pid')}) held {r.get('seconds')} s opening "
+        f"{r.get('path')}: {r.get('ended')}"
+    ),
     "pass-error": lambda r: f"pass failed: {r.get('error')}",
     "state-problem": lambda r: f"state problem: {r.get('problem')}",
 }
@@ -109,6 +119,7 @@ PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "decision": _decision_priority,
     "action": _action_priority,
     "plan-superseded": lambda r: NOTICE,
+    "held-open": lambda r: NOTICE if r.get("ended") == "gate opened" else WARNING,
     "pass-error": lambda r: ERR,
     "state-problem": lambda r: WARNING,
 }

@@ -11,7 +11,9 @@ suite's part (a later slice).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -28,7 +30,7 @@ from nodeagent.host.fanotify import (
     FanotifyGroup,
     parse_events,
 )
-from nodeagent.host.hold import Responder
+from nodeagent.host.hold import Responder, sees_host_pids, start_hold
 
 WAIT = 10.0
 CONTENT = b"\x7fELF not really a module\n"
@@ -187,3 +189,111 @@ def test_events_are_walked_by_event_len_and_bad_records_named() -> None:
     assert events == [] and problems == ["fanotify metadata version 2, expected 3"]
     events, problems = parse_events(record(4 * METADATA.size))
     assert events == [] and "malformed" in problems[0]
+
+
+def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
+    """End to end: `nodeagent run` with [peermem] hold_loads = "fanotify", the GPU driver
+    root a marked tmpfs; a loader's open is held until MOFED's ready flag makes the gate open."""
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config
+    from nodeagent.core.peermem import PeermemPolicy
+    from nodeagent.sim.node import READY
+
+    from .healthy import healthy_node
+
+    if not sees_host_pids():
+        pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
+    driver = tmp_path / "run/nvidia/driver"
+    driver.mkdir(parents=True)
+    why = _mount_tmpfs(driver)
+    if why:
+        pytest.skip(why)
+    agent = None
+    node = None
+    try:
+        node = healthy_node(tmp_path, ready=False)
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        modprobe = tmp_path / "modprobe"
+        shutil.copy("/bin/cat", modprobe)
+        pol = PeermemPolicy(hold_loads="fanotify", hold_roots=("run/nvidia/driver",))
+        cfg = Config(
+            host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol}
+        )
+        agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+        thread = threading.Thread(target=agent.run, daemon=True)
+        thread.start()
+        until(lambda: agent.hold is not None and agent.passes >= 1, "the hold did not start")
+        assert agent.hold is not None and agent.hold_marked == ["run/nvidia/driver"]
+        proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.PIPE)
+        try:
+            until(lambda: agent.hold.held(), "the loader was not held")  # type: ignore[union-attr]
+            time.sleep(0.2)
+            assert proc.poll() is None
+            node.write(READY)  # MOFED: ready; the gate opens, the held open goes on
+            out, _ = proc.communicate(timeout=WAIT)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0 and out == ko.read_bytes()
+        status = json.loads((tmp_path / "run/nodeagent/status.json").read_text())
+        assert status["hold"]["marked"] == ["run/nvidia/driver"]
+        until(
+            lambda: any(
+                r.get("kind") == "held-open"
+                for r in map(json.loads, (tmp_path / "var/lib/nodeagent/timeline.jsonl").open())
+            ),
+            "the held open was not recorded",
+        )
+    finally:
+        if agent is not None:
+            agent.stop()
+        if node is not None:
+            node.kernel.uevent_source.close()
+        subprocess.run(["umount", "-l", str(driver)], capture_output=True)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"hold_loads": "yes"}, "peermem.hold_loads"),
+        ({"hold_budget_seconds": 0}, "peermem.hold_budget_seconds: 0 is outside"),
+        ({"hold_budget_seconds": 1e9}, "peermem.hold_budget_seconds"),
+        ({"hold_budget_seconds": "600"}, "expected a number"),
+        ({"hold_roots": []}, "peermem.hold_roots: expected a non-empty list"),
+        ({"hold_roots": ["/lib/modules"]}, "must be relative to the host root"),
+        ({"hold_roots": ["lib/../../etc"]}, "without '..'"),
+    ],
+)
+def test_bad_hold_settings_are_one_clear_line(table: dict[str, object], message: str) -> None:
+    from nodeagent.config import config_from_mapping
+    from nodeagent.errors import NodeagentError
+
+    with pytest.raises(NodeagentError, match=re.escape(message)):
+        config_from_mapping({"peermem": table})
+
+
+def test_host_pids_are_told_by_nspid(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nNSpid:\t4242\n")
+    assert sees_host_pids(str(status))
+    status.write_text("Name:\tpython\nNSpid:\t4242\t7\n")  # in a pod without hostPID
+    assert not sees_host_pids(str(status))
+
+
+def test_the_hold_refuses_to_start_without_host_pids_in_one_line() -> None:
+    closed: list[bool] = []
+
+    class Source:
+        def close(self) -> None:
+            closed.append(True)
+
+    responder, marked, problems = start_hold(
+        Source(),  # type: ignore[arg-type]
+        lambda _p: None,
+        [("lib/modules", "/")],
+        gate_open=lambda: False,
+        budget_s=60,
+        host_pids=False,
+    )
+    assert responder is None and marked == [] and closed == [True]
+    (line,) = problems
+    assert "does not see host PIDs" in line and "hostPID: true" in line

@@ -71,6 +71,15 @@ class PeermemPolicy:
     load_params: tuple[str, ...] = ()
     retry_base_s: float = 5.0
     retry_max_s: float = 300.0
+    # Hold anyone's open of nvidia-peermem.ko by a module loader while the gate is closed
+    # (host/hold.py): "off" or "fanotify". The budget stays below the driver container's
+    # startup probe (120 x 10 s): past it the open is allowed and reported.
+    hold_loads: str = "off"
+    hold_budget_s: float = 900.0
+    hold_roots: tuple[str, ...] = ("lib/modules",)  # under the host root: filesystems marked
+
+
+HOLD_MODES = ("off", "fanotify")
 
 
 def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
@@ -78,7 +87,16 @@ def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
     cfgval.reject_unknown(
         "peermem",
         table,
-        {"mofed", "load_params", "retry_base_seconds", "retry_max_seconds", "rdma_stack"},
+        {
+            "mofed",
+            "load_params",
+            "retry_base_seconds",
+            "retry_max_seconds",
+            "rdma_stack",
+            "hold_loads",
+            "hold_budget_seconds",
+            "hold_roots",
+        },
     )
     if "mofed" in table:
         mode = cfgval.choice("peermem.mofed", table["mofed"], MOFED_MODES)
@@ -99,6 +117,20 @@ def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
         pol = replace(pol, retry_max_s=cap)
     if "rdma_stack" in table:
         pol = replace(pol, rdma_stack=cfgval.module_list("peermem.rdma_stack", table["rdma_stack"]))
+    if "hold_loads" in table:
+        pol = replace(
+            pol, hold_loads=cfgval.choice("peermem.hold_loads", table["hold_loads"], HOLD_MODES)
+        )
+    if "hold_budget_seconds" in table:
+        budget = cfgval.number("peermem.hold_budget_seconds", table["hold_budget_seconds"], 1, 1190)
+        pol = replace(pol, hold_budget_s=budget)
+    if "hold_roots" in table:
+        roots = table["hold_roots"]
+        if not isinstance(roots, list) or not roots:
+            raise NodeagentError("config peermem.hold_roots: expected a non-empty list of paths")
+        pol = replace(
+            pol, hold_roots=tuple(cfgval.check_relpath("peermem.hold_roots", r) for r in roots)
+        )
     return pol
 
 

@@ -212,3 +212,61 @@ class Responder:
         for h, why in done:
             self._allow(h.event)
             self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))
+
+
+def sees_host_pids(status_path: str = "/proc/self/status") -> bool:
+    """In the host's pid namespace (``hostPID``)? ``NSpid`` lists one pid per namespace level."""
+    try:
+        with open(status_path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return len(line.split()) == 2
+    except OSError:
+        return False
+    return True  # a kernel without NSpid (< 4.1) has no nested namespaces to tell apart
+
+
+def start_hold(
+    source: EventSource | None,
+    mark: Callable[[str], None],
+    roots: list[tuple[str, str]],
+    *,
+    gate_open: Callable[[], bool],
+    budget_s: float,
+    host_pids: bool,
+) -> tuple[Responder | None, list[str], list[str]]:
+    """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
+
+    Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
+    nothing marked; a root that cannot be marked is named and skipped.
+    """
+    if source is None:
+        return None, [], []
+    if not host_pids:
+        source.close()
+        return (
+            None,
+            [],
+            [
+                "peermem.hold_loads: the agent does not see host PIDs (run it with hostPID: true); "
+                "not holding any load"
+            ],
+        )
+    marked: list[str] = []
+    problems: list[str] = []
+    for name, path in roots:
+        if not os.path.isdir(path):
+            problems.append(f"peermem.hold_roots: {name} is not a directory; not marked")
+            continue
+        try:
+            mark(path)
+        except OSError as exc:
+            problems.append(f"peermem.hold_roots: cannot mark {name}: {exc.strerror or exc}")
+            continue
+        marked.append(name)
+    if not marked:
+        source.close()
+        return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
+    responder = Responder(source, gate_open=gate_open, budget_s=budget_s)
+    responder.start()
+    return responder, marked, problems

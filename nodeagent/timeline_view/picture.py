@@ -228,6 +228,16 @@ def build_picture(
                     states[name].at(t, *state_of(ev))
         elif kind == "action":
             _action(t, rec, markers, vfs)
+        elif kind == "held-open":
+            ended = str(rec.get("ended"))
+            markers["agent"].append(
+                Marker(
+                    t,
+                    f"held {rec.get('opener')} (pid {rec.get('pid')}) {rec.get('seconds')} s: "
+                    f"{ended}",
+                    "idle" if ended == "gate opened" else "bad",
+                )
+            )
         elif kind == "plan-superseded":
             left = ", ".join(_texts(rec.get("not_done"))) or "nothing"
             markers["agent"].append(
