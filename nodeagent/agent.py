@@ -185,6 +185,7 @@ class Agent:
         # The fanotify hold of anyone's peermem load ([peermem] hold_loads), started by run().
         self.hold: Responder | None = None
         self.hold_marked: list[str] = []
+        self.hold_since: float | None = None
         self._hold_gate_open = False  # what the responder reads: never a file, never a lock
         self._last_signature: Any = None
         self._saved_memory: dict[str, Any] | None = None
@@ -371,11 +372,13 @@ class Agent:
             gate_open=lambda: self._hold_gate_open,
             budget_s=pol.hold_budget_s,
             host_pids=sees_host_pids(),
+            on_report=lambda: self.plans_ended.poke("held open ended"),  # a pipe write
         )
         for p in problems:
             log.warning(p)
             self.record({"kind": "state-problem", "problem": p})
         if self.hold is not None:
+            self.hold_since = self.clock()
             self.record({"kind": "hold-started", "marked": self.hold_marked})
 
     def _event_pending(self) -> bool:
@@ -462,6 +465,7 @@ class Agent:
                 if self.hold is None
                 else {
                     "marked": self.hold_marked,
+                    "since": self.hold_since,
                     "gate_open": self._hold_gate_open,
                     "held": [
                         {"pid": p, "opener": o, "path": f, "seconds": round(t, 3)}

@@ -85,6 +85,9 @@ UPDATE: dict[str, Callable[[Any, float], None]] = {
 }
 
 
+HOLD_ENDINGS = frozenset({"gate_opened", "budget_expired", "responder_stopped", "opener_gone"})
+
+
 def action_kind(action: Action) -> str:
     return ACTION_KINDS.get(type(action)) or str(getattr(action, "kind", type(action).__name__))
 
@@ -199,6 +202,13 @@ class MetricsExporter:
         self.records = Counter(
             "nodeagent_records", "Timeline records written, by kind", ["kind"], registry=r
         )
+        self.held_opens = Counter(
+            "nodeagent_peermem_held_opens",
+            "Module loaders' opens of nvidia-peermem.ko held by the fanotify hold, by how "
+            "the hold ended (gate_opened, budget_expired, responder_stopped, opener_gone)",
+            ["ended"],
+            registry=r,
+        )
         r.register(ProcessCollector())
 
         # Every word a guard declares (or was seen to use): all but the current are 0.
@@ -222,6 +232,9 @@ class MetricsExporter:
 
     def on_record(self, rec: Mapping[str, Any]) -> None:
         self.records.labels(str(rec.get("kind", "record"))).inc()
+        if rec.get("kind") == "held-open":
+            ended = str(rec.get("ended")).replace(" ", "_")
+            self.held_opens.labels(ended if ended in HOLD_ENDINGS else "other").inc()
 
     def on_pass(self, result: Any, exc: Exception | None) -> None:
         if result is None:

@@ -297,3 +297,15 @@ def test_the_hold_refuses_to_start_without_host_pids_in_one_line() -> None:
     assert responder is None and marked == [] and closed == [True]
     (line,) = problems
     assert "does not see host PIDs" in line and "hostPID: true" in line
+
+
+def test_held_opens_are_counted_by_how_they_ended() -> None:
+    from nodeagent.metrics import MetricsExporter
+
+    m = MetricsExporter({}, mode="enforce", liveness_seconds=60)
+    for ended in ("gate opened", "budget expired", "gate opened", "something new"):
+        m.on_record({"kind": "held-open", "ended": ended})
+    text, _ = m.scrape(None)
+    assert b'nodeagent_peermem_held_opens_total{ended="gate_opened"} 2.0' in text
+    assert b'nodeagent_peermem_held_opens_total{ended="budget_expired"} 1.0' in text
+    assert b'nodeagent_peermem_held_opens_total{ended="other"} 1.0' in text

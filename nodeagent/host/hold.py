@@ -94,13 +94,17 @@ class Responder:
         own_pid: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         loader_of: Callable[[int], tuple[bool, str]] = is_loader,
+        on_report: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_report``: called (from the responder thread, so it must not block or open a
+        file) when a report is added: the loop records it on its next pass."""
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
         self.own_pid = os.getpid() if own_pid is None else own_pid
         self.clock = clock
         self.loader_of = loader_of
+        self.on_report = on_report
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
         self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0}
         self._held: list[_Held] = []
@@ -212,6 +216,8 @@ class Responder:
         for h, why in done:
             self._allow(h.event)
             self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))
+        if done:
+            self.on_report()
 
 
 def sees_host_pids(status_path: str = "/proc/self/status") -> bool:
@@ -234,6 +240,7 @@ def start_hold(
     gate_open: Callable[[], bool],
     budget_s: float,
     host_pids: bool,
+    on_report: Callable[[], None] = lambda: None,
 ) -> tuple[Responder | None, list[str], list[str]]:
     """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
 
@@ -267,6 +274,6 @@ def start_hold(
     if not marked:
         source.close()
         return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
-    responder = Responder(source, gate_open=gate_open, budget_s=budget_s)
+    responder = Responder(source, gate_open=gate_open, budget_s=budget_s, on_report=on_report)
     responder.start()
     return responder, marked, problems
