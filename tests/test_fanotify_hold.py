@@ -11,6 +11,7 @@ suite's part (a later slice).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,9 +26,11 @@ from pathlib import Path
 import pytest
 
 from nodeagent.host.fanotify import (
+    FAN_Q_OVERFLOW,
     METADATA,
     METADATA_VERSION,
     FanotifyGroup,
+    PermEvent,
     parse_events,
 )
 from nodeagent.host.hold import Responder, sees_host_pids, start_hold
@@ -309,3 +312,52 @@ def test_held_opens_are_counted_by_how_they_ended() -> None:
     assert b'nodeagent_peermem_held_opens_total{ended="gate_opened"} 2.0' in text
     assert b'nodeagent_peermem_held_opens_total{ended="budget_expired"} 1.0' in text
     assert b'nodeagent_peermem_held_opens_total{ended="other"} 1.0' in text
+
+
+class FakeSource:
+    """An EventSource fed by the test (the interface the simulator will use)."""
+
+    def __init__(self, events: list[PermEvent]) -> None:
+        self.r, self.w = os.pipe()
+        self.events = events
+        self.answers: list[tuple[PermEvent, bool]] = []
+        os.write(self.w, b"x")
+
+    def fileno(self) -> int:
+        return self.r
+
+    def read(self) -> list[PermEvent]:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.r, 16)
+        out, self.events = self.events, []
+        return out
+
+    def respond(self, event: PermEvent, allow: bool) -> None:
+        self.answers.append((event, allow))
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def test_an_overflow_and_an_event_without_fd_are_allowed_and_counted() -> None:
+    overflow = PermEvent(-1, 0, FAN_Q_OVERFLOW)
+    nofd = PermEvent(-1, 4242, 0x10000)  # the kernel could not open the file: it denied
+    source = FakeSource([overflow, nofd])
+    responder = Responder(source, gate_open=lambda: False, budget_s=60, own_pid=1)
+    responder.start()
+    try:
+        until(lambda: responder.counts["no_fd"] == 1, "both seen")
+    finally:
+        responder.stop()
+    assert [allow for _e, allow in source.answers] == [True]  # the overflow; no_fd: nothing
+    assert responder.counts["overflow"] == 1 and responder.counts["no_fd"] == 1
+    assert responder.counts["held"] == 0
+
+
+def test_a_marked_root_that_disappears_leaves_the_responder_answering(marked: Marked) -> None:
+    subprocess.run(["umount", "-l", str(marked.root)], check=True)  # the mark goes with it
+    p = subprocess.run([marked.modprobe, "/etc/hostname"], capture_output=True, timeout=WAIT)
+    assert p.returncode == 0
+    assert marked.responder._thread.is_alive() and marked.responder.held() == []

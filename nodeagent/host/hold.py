@@ -106,7 +106,9 @@ class Responder:
         self.loader_of = loader_of
         self.on_report = on_report
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
-        self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0}
+        # no_fd: the kernel could not open the file for us (e.g. our descriptors ran out)
+        # and denied that open itself; overflow: the kernel's queue overflowed.
+        self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0, "no_fd": 0}
         self._held: list[_Held] = []
         self._lock = threading.Lock()  # guards _held for readers (status); never held long
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -175,6 +177,9 @@ class Responder:
         if event.overflow:
             self.counts["overflow"] += 1
             self._allow(event)
+            return
+        if event.fd < 0:
+            self.counts["no_fd"] += 1
             return
         path = event_path(event)
         if not TARGET.fullmatch(os.path.basename(path)):
