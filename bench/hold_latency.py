@@ -35,12 +35,10 @@ from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.hold import Responder, sees_host_pids
-from nodeagent.sim.modtree import GPU_MODULES, RDMA_MODULES
 from nodeagent.sim.node import READY, Node
-from nodeagent.sim.scenarios import MOFED_2507, NVIDIA
+from nodeagent.sim.scenarios import stack_node
 
 KVER = "6.1.0-bench"
-STACK = ("mlx5_core", "mlx5_ib", "ib_uverbs")
 OPENER = """
 import os, sys, time
 files = sys.argv[2:]
@@ -69,16 +67,7 @@ def node_with_marked_driver_root(root: Path) -> Node:
     driver = root / "run/nvidia/driver"
     driver.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "nodeagent-bench", str(driver)], check=True)
-    node = Node(root, KVER, seed=0)
-    node.kernel.init_delay = node.kernel.exit_delay = 0.0
-    node.install(MOFED_2507, RDMA_MODULES, "mofed")
-    node.write_headers(MOFED_2507, RDMA_MODULES)
-    node.install(NVIDIA, GPU_MODULES, "gpu", against=node.headers())
-    with node.sched.world:
-        for m in STACK:
-            node.kernel.modprobe(m, node.mofed_moddir)
-        node.kernel.modprobe("nvidia", node.gpu_moddir)
-    return node
+    return stack_node(root, KVER)  # the GPU tree is installed into the tmpfs
 
 
 def latency(root: Path, node: Node, trials: int) -> list[float]:

@@ -18,9 +18,9 @@ import pytest
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
-from nodeagent.sim.modtree import GPU_MODULES, RDMA_MODULES
+from nodeagent.sim.modtree import GPU_MODULES
 from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
-from nodeagent.sim.scenarios import MOFED_2507, NVIDIA
+from nodeagent.sim.scenarios import NVIDIA, stack_node
 
 KVER = "6.1.0-test"
 STACK = ("mlx5_core", "mlx5_ib", "ib_uverbs")  # ib_core comes with them
@@ -63,16 +63,7 @@ class RunningAgent:
 
 def build_node(root: Path) -> Node:
     """A GPU node with MOFED's RDMA stack and nvidia loaded; no ready flag yet."""
-    n = Node(root, KVER, seed=0)
-    n.kernel.init_delay = n.kernel.exit_delay = 0.0
-    n.install(MOFED_2507, RDMA_MODULES, "mofed")
-    n.write_headers(MOFED_2507, RDMA_MODULES)
-    n.install(NVIDIA, GPU_MODULES, "gpu", against=n.headers())
-    with n.sched.world:
-        for m in STACK:
-            n.kernel.modprobe(m, n.mofed_moddir)
-        n.kernel.modprobe("nvidia", n.gpu_moddir)
-    return n
+    return stack_node(root, KVER)
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ __all__ = [
     "Scenario",
     "Verdict",
     "run_scenario",
+    "stack_node",
 ]
 
 _PM2 = dict.fromkeys(PEER_MEMORY_API, "peer-memory-v2")
@@ -183,6 +184,21 @@ def _attach_vfs(node: Node) -> set[int]:
     for i in VFIO_VFS:
         k.bind_vf(PF, i, "vfio-pci")
     return {*POD_VFS, *VFIO_VFS}
+
+
+def stack_node(root: Path, kver: str) -> Node:
+    """A GPU node at rest, for tests and benchmarks: MOFED 25.07's RDMA stack and nvidia
+    loaded (modules initialise at once), no ready flag. Close ``node.kernel.uevent_source``."""
+    node = Node(root, kver, seed=0)
+    node.kernel.init_delay = node.kernel.exit_delay = 0.0
+    node.install(MOFED_2507, RDMA_MODULES, "mofed")
+    node.write_headers(MOFED_2507, RDMA_MODULES)
+    node.install(NVIDIA, GPU_MODULES, "gpu", against=node.headers())
+    with node.sched.world:
+        for m in ("mlx5_core", "mlx5_ib", "ib_uverbs"):  # ib_core comes with them
+            node.kernel.modprobe(m, node.mofed_moddir)
+        node.kernel.modprobe("nvidia", node.gpu_moddir)
+    return node
 
 
 def _start_at(node: Node, t: float, *containers: Container | None) -> None:
