@@ -172,7 +172,6 @@ class FinishedPlan:
     outcomes: tuple[ActionOutcome, ...]
     not_done: tuple[Action, ...] = ()
     superseded: bool = False  # a newer decision replaced it before it ended
-    decided_at: float | None = None  # when the pass that submitted it began (agent clock)
 
 
 @dataclass(eq=False)  # runs are told apart by identity
@@ -205,8 +204,7 @@ class GuardWorker:
         self.threaded = threaded
         self._cv = threading.Condition()
         self._wanted: tuple[Action, ...] | None = None  # the latest decision's steps
-        self._queued: Plan | None = None
-        self._queued_at: float | None = None
+        self._queued: _Run | None = None  # the next plan, not begun
         self._current: _Run | None = None
         self._urgent: list[_Run] = []
         self._urgent_queued: list[_Run] = []
@@ -218,7 +216,6 @@ class GuardWorker:
 
     def submit(self, plan: Plan, decided_at: float | None = None) -> None:
         """The guard's decision of this pass (``plan.steps`` empty: nothing to do now)."""
-        start_urgent: _Run | None = None
         with self._cv:
             if plan.steps == self._wanted or (plan.steps == () and self._wanted is None):
                 return
@@ -231,18 +228,13 @@ class GuardWorker:
             self._queued = None
             if plan.urgent and plan.steps:
                 if not any(r.plan.steps == plan.steps for r in self._urgent):
-                    start_urgent = _Run(plan, decided_at)
-                    self._urgent.append(start_urgent)
+                    run = _Run(plan, decided_at)
+                    self._urgent.append(run)
+                    self._urgent_queued.append(run)
             elif plan.steps:
-                self._queued = plan
-                self._queued_at = decided_at
-                self._ensure_thread()
+                self._queued = _Run(plan, decided_at)
+            self._ensure_thread()
             self._cv.notify_all()
-        if start_urgent is not None:
-            with self._cv:
-                self._urgent_queued.append(start_urgent)
-                self._ensure_thread()
-                self._cv.notify_all()
 
     def take_finished(self) -> list[FinishedPlan]:
         with self._cv:
@@ -294,8 +286,7 @@ class GuardWorker:
                     self._cv.wait()
                 if self._queued is None:
                     return
-                run = _Run(self._queued, self._queued_at)
-                self._queued, self._current = None, run
+                run, self._queued, self._current = self._queued, None, self._queued
             self._execute(run)
 
     def _urgent_main(self) -> None:
@@ -315,8 +306,7 @@ class GuardWorker:
                 if self._urgent_queued:
                     run = self._urgent_queued.pop(0)
                 elif self._queued is not None:
-                    run = _Run(self._queued, self._queued_at)
-                    self._queued, self._current = None, run
+                    run, self._queued, self._current = self._queued, None, self._queued
                 else:
                     return
             self._execute(run)
@@ -337,7 +327,8 @@ class GuardWorker:
             with self._cv:
                 run.started.add(i)
             try:
-                return self.run_step(action)
+                # Its outcome comes back a pass later: it says which pass decided it.
+                return replace(self.run_step(action), decided_at=run.decided_at)
             finally:
                 with self._cv:
                     run.ended.add(i)
@@ -346,9 +337,7 @@ class GuardWorker:
         superseded = run.superseded and bool(not_done)
         with self._cv:
             self._detach(run)
-            self._finished.append(
-                FinishedPlan(run.plan, tuple(outcomes), not_done, superseded, run.decided_at)
-            )
+            self._finished.append(FinishedPlan(run.plan, tuple(outcomes), not_done, superseded))
             self._cv.notify_all()
         self.on_done(self.guard)
 
@@ -402,12 +391,7 @@ class PlanWorkers:
             worker.submit(plan, decided_at)
 
     def take_finished(self) -> list[FinishedPlan]:
-        """What finished since the last call; each outcome stamped with ``decided_at``."""
-        return [
-            replace(f, outcomes=tuple(replace(o, decided_at=f.decided_at) for o in f.outcomes))
-            for w in self.workers.values()
-            for f in w.take_finished()
-        ]
+        return [f for w in self.workers.values() for f in w.take_finished()]
 
     def run_pending(self) -> None:
         for w in self.workers.values():
