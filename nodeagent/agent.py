@@ -226,11 +226,9 @@ class Agent:
     def _pass(self, woken_by: Sequence[str]) -> PassResult:
         now = self.clock()
         self._pass_problems, self._can_vouch = [], True
-        # What the workers finished since the last pass reaches guard memory first.
-        finished = self.workers.take_finished()
-        outcomes = [o for f in finished for o in f.outcomes]
-        if outcomes:  # kept even if this pass fails further on
-            self.memory = self.reconciler.absorb(self.memory, outcomes, now)
+        # What the workers finished since the last pass reaches guard memory first (kept
+        # even if this pass fails further on); it is recorded after the protective steps.
+        finished, outcomes = self._take_finished(now)
         memory = self.memory
         snap = self.observer.observe(now)
         rec = self.reconciler.decide(snap, memory)
@@ -256,11 +254,7 @@ class Agent:
             memory = self.reconciler.absorb(memory, planned, self.clock())
 
         # What the workers did, in the order it happened: before this pass's decisions.
-        for f in finished:
-            if f.superseded:
-                self.record(superseded_record(f))
-        for o in outcomes:
-            self.record(action_record(o))
+        self._record_finished(finished)
         signature = (
             tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
             tuple(a.describe() for a in rec.actions),
@@ -357,17 +351,18 @@ class Agent:
     def _start_hold(self) -> None:
         """Mark the filesystems of [peermem] hold_roots and start the responder (run())."""
         pol = self.cfg.policy("peermem")
-        if self.cfg.mode != "enforce" or getattr(pol, "hold_loads", "off") != "fanotify":
+        if self.cfg.mode != "enforce" or pol.hold_loads != "fanotify":
             return
         try:
-            group: FanotifyGroup | None = FanotifyGroup()
+            group = FanotifyGroup()
         except OSError as exc:
-            group = None
+            log.warning("peermem.hold_loads: %s", exc)
             self.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
+            return
         roots = [(r, str(self.host.path(r))) for r in pol.hold_roots]
         self.hold, self.hold_marked, problems = start_hold(
             group,
-            group.mark_filesystem if group is not None else lambda _p: None,
+            group.mark_filesystem,
             roots,
             gate_open=lambda: self._hold_gate_open,
             budget_s=pol.hold_budget_s,
@@ -388,19 +383,27 @@ class Agent:
         except (OSError, ValueError):  # a source closed under us: assume the worst
             return True
 
-    def _absorb_finished(self) -> list[ActionOutcome]:
-        """Outcomes the workers handed back outside a pass (``--once``, stop) reach memory."""
+    def _take_finished(self, now: float) -> tuple[list[FinishedPlan], list[ActionOutcome]]:
+        """What the workers finished, absorbed into guard memory; (plans, their outcomes)."""
         finished = self.workers.take_finished()
         outcomes = [o for f in finished for o in f.outcomes]
-        if not outcomes:
-            return outcomes
+        if outcomes:
+            self.memory = self.reconciler.absorb(self.memory, outcomes, now)
+        return finished, outcomes
+
+    def _record_finished(self, finished: Sequence[FinishedPlan]) -> None:
         for f in finished:
             if f.superseded:
                 self.record(superseded_record(f))
-        for o in outcomes:
-            self.record(action_record(o))
-        self.memory = self.reconciler.absorb(self.memory, outcomes, self.clock())
-        self._save_memory(self.memory)
+            for o in f.outcomes:
+                self.record(action_record(o))
+
+    def _absorb_finished(self) -> list[ActionOutcome]:
+        """Outcomes the workers handed back outside a pass (``--once``, stop) reach memory."""
+        finished, outcomes = self._take_finished(self.clock())
+        if outcomes:
+            self._record_finished(finished)
+            self._save_memory(self.memory)
         return outcomes
 
     def _keep_sriov_snapshot(self, memory: AgentMemory) -> None:

@@ -238,7 +238,7 @@ def sees_host_pids(status_path: str = "/proc/self/status") -> bool:
 
 
 def start_hold(
-    source: EventSource | None,
+    source: EventSource,
     mark: Callable[[str], None],
     roots: list[tuple[str, str]],
     *,
@@ -252,8 +252,6 @@ def start_hold(
     Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
     nothing marked; a root that cannot be marked is named and skipped.
     """
-    if source is None:
-        return None, [], []
     if not host_pids:
         source.close()
         return (
