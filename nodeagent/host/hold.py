@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nodeagent.host.events import Poke
 from nodeagent.host.fanotify import EventSource, PermEvent
 
 # kmod is one binary for modprobe, insmod, modinfo, depmod...: its exe says "kmod" for all
@@ -111,7 +112,7 @@ class Responder:
         self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0, "no_fd": 0}
         self._held: list[_Held] = []
         self._lock = threading.Lock()  # guards _held for readers (status); never held long
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = Poke()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="fanotify-responder", daemon=True)
 
@@ -122,8 +123,7 @@ class Responder:
 
     def wake(self) -> None:
         """The gate may have changed: look now (cheap, never blocks)."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
+        self._wake.poke("gate")
 
     def held(self) -> list[tuple[int, str, str, float]]:
         """(pid, opener, path, seconds held) of every open held now."""
@@ -139,21 +139,18 @@ class Responder:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.source.close()
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._wake.close()
 
     # -- the responder thread ------------------------------------------------------
 
     def _run(self) -> None:
         poller = select.poll()
         poller.register(self.source.fileno(), select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
+        poller.register(self._wake.fileno(), select.POLLIN)
         while not self._stopping:
             with contextlib.suppress(InterruptedError):
                 poller.poll(self._timeout_ms())
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.read(self._wake_r, 4096)
+            self._wake.drain()
             for event in self.source.read():
                 self._answer(event)
             self._release()
