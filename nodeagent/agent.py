@@ -34,6 +34,7 @@ from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
+from nodeagent.host.containers import RootScanner
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, readable
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.fs import HostRoot
@@ -185,6 +186,7 @@ class Agent:
         # The fanotify hold of anyone's peermem load ([peermem] hold_loads), started by run().
         self.hold: Responder | None = None
         self.hold_marked: list[str] = []
+        self.hold_containers: RootScanner | None = None  # driver containers' roots, as they start
         self.hold_since: float | None = None
         self._hold_gate_open = False  # what the responder reads: never a file, never a lock
         self._last_signature: Any = None
@@ -334,6 +336,9 @@ class Agent:
         """Every held open that ended since the last pass, as a timeline record."""
         if self.hold is None:
             return
+        scanner = self.hold_containers
+        while scanner is not None and scanner.reports:
+            self.record(scanner.reports.popleft())
         while self.hold.reports:
             r = self.hold.reports.popleft()
             self.record(
@@ -367,14 +372,31 @@ class Agent:
             gate_open=lambda: self._hold_gate_open,
             budget_s=pol.hold_budget_s,
             host_pids=sees_host_pids(),
+            containers=bool(pol.hold_containers),
             on_report=lambda: self.plans_ended.poke("held open ended"),  # a pipe write
         )
         for p in problems:
             log.warning(p)
             self.record({"kind": "state-problem", "problem": p})
-        if self.hold is not None:
-            self.hold_since = self.clock()
-            self.record({"kind": "hold-started", "marked": self.hold_marked})
+        if self.hold is None:
+            return
+        self.hold_since = self.clock()
+        self.record(
+            {
+                "kind": "hold-started",
+                "marked": self.hold_marked,
+                "containers": list(pol.hold_containers),
+            }
+        )
+        if pol.hold_containers:
+            self.hold_containers = RootScanner(
+                group.mark_filesystem,
+                group.marked_devices,
+                pol.hold_containers,
+                interval_s=pol.hold_scan_s,
+                on_report=lambda: self.plans_ended.poke("container root"),
+            )
+            self.hold_containers.start()
 
     def _event_pending(self) -> bool:
         """Did anything that wakes the loop arrive since this pass drained its sources?"""
@@ -475,6 +497,16 @@ class Agent:
                         for p, o, f, t in self.hold.held()
                     ],
                     "counts": dict(self.hold.counts),
+                    "container_roots": [
+                        {
+                            "dev": r.dev_text(),
+                            "pid": r.pid,
+                            "rule": r.rule,
+                            "command": r.command,
+                            "noticed_ms": round(r.noticed_s * 1000, 1),
+                        }
+                        for r in (self.hold_containers.roots() if self.hold_containers else [])
+                    ],
                 },
                 "guards": {g: v.to_json() for g, v in verdicts.items()},
                 "last_actions": [
@@ -572,6 +604,8 @@ class Agent:
                 deadline = next_resync if wake_at is None else min(next_resync, wake_at)
                 woken_by = waker.wait(max(0.0, deadline - now))
         finally:
+            if self.hold_containers is not None:
+                self.hold_containers.stop()
             if self.hold is not None:
                 self.hold.stop()  # every held open is allowed and reported
                 self._record_holds()

@@ -46,6 +46,8 @@ KNOWN_KINDS = (
     "plan-superseded",
     "hold-started",
     "held-open",
+    "hold-root-marked",
+    "hold-root-gone",
     "pass-error",
     "state-problem",
 )
@@ -93,11 +95,24 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     ),
     "hold-started": lambda r: (
         "holding module loaders' opens of nvidia-peermem.ko on "
-        + ", ".join(str(m) for m in r.get("marked") or [])
+        + (", ".join(str(m) for m in r.get("marked") or []) or "no host tree")
+        + (
+            "; marking the roots of " + ", ".join(f"'{c}'" for c in r.get("containers") or [])
+            if r.get("containers")
+            else ""
+        )
     ),
     "held-open": lambda r: (
         f"{r.get('opener')} (pid {r.get('pid')}) held {r.get('seconds')} s opening "
         f"{r.get('path')}: {r.get('ended')}"
+    ),
+    "hold-root-marked": lambda r: (
+        f"marked the root of {r.get('command')} (pid {r.get('pid')}, filesystem {r.get('dev')}): "
+        "its loads of nvidia-peermem.ko are held while the gate is closed"
+    ),
+    "hold-root-gone": lambda r: (
+        f"the marked root of pid {r.get('pid')} (filesystem {r.get('dev')}) is gone: "
+        "its overlay was unmounted"
     ),
     "pass-error": lambda r: f"pass failed: {r.get('error')}",
     "state-problem": lambda r: f"state problem: {r.get('problem')}",

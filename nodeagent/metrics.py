@@ -209,6 +209,11 @@ class MetricsExporter:
             ["ended"],
             registry=r,
         )
+        self.container_roots = Gauge(
+            "nodeagent_peermem_hold_container_roots",
+            "Driver containers' roots marked by the fanotify hold now (found as they start)",
+            registry=r,
+        )
         r.register(ProcessCollector())
 
         # Every word a guard declares (or was seen to use): all but the current are 0.
@@ -235,6 +240,10 @@ class MetricsExporter:
         if rec.get("kind") == "held-open":
             ended = str(rec.get("ended")).replace(" ", "_")
             self.held_opens.labels(ended if ended in HOLD_ENDINGS else "other").inc()
+        elif rec.get("kind") == "hold-root-marked":
+            self.container_roots.inc()
+        elif rec.get("kind") == "hold-root-gone":
+            self.container_roots.dec()
 
     def on_pass(self, result: Any, exc: Exception | None) -> None:
         if result is None:

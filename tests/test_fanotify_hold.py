@@ -261,7 +261,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         ({"hold_budget_seconds": 0}, "peermem.hold_budget_seconds: 0 is outside"),
         ({"hold_budget_seconds": 1e9}, "peermem.hold_budget_seconds"),
         ({"hold_budget_seconds": "600"}, "expected a number"),
-        ({"hold_roots": []}, "peermem.hold_roots: expected a non-empty list"),
+        ({"hold_roots": "lib/modules"}, "peermem.hold_roots: expected a list of paths"),
         ({"hold_roots": ["/lib/modules"]}, "must be relative to the host root"),
         ({"hold_roots": ["lib/../../etc"]}, "without '..'"),
     ],

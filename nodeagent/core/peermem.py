@@ -30,6 +30,7 @@ from typing import Any
 
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
+from nodeagent.core.driver_containers import DRIVER_CONTAINER_RULES, parse_rules
 from nodeagent.core.gpudirect import classify
 from nodeagent.core.guard import (
     GuardDecision,
@@ -77,6 +78,10 @@ class PeermemPolicy:
     hold_loads: str = "off"
     hold_budget_s: float = 900.0
     hold_roots: tuple[str, ...] = ("lib/modules",)  # under the host root: filesystems marked
+    # Processes whose root is marked as they start (core/driver_containers.py), how often
+    # /proc is looked at for them; () marks no container root.
+    hold_containers: tuple[str, ...] = DRIVER_CONTAINER_RULES
+    hold_scan_s: float = 0.1
 
 
 HOLD_MODES = ("off", "fanotify")
@@ -96,6 +101,8 @@ def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
             "hold_loads",
             "hold_budget_seconds",
             "hold_roots",
+            "hold_containers",
+            "hold_scan_seconds",
         },
     )
     if "mofed" in table:
@@ -126,11 +133,18 @@ def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
         pol = replace(pol, hold_budget_s=budget)
     if "hold_roots" in table:
         roots = table["hold_roots"]
-        if not isinstance(roots, list) or not roots:
-            raise NodeagentError("config peermem.hold_roots: expected a non-empty list of paths")
+        if not isinstance(roots, list):
+            raise NodeagentError("config peermem.hold_roots: expected a list of paths")
         pol = replace(
             pol, hold_roots=tuple(cfgval.check_relpath("peermem.hold_roots", r) for r in roots)
         )
+    if "hold_containers" in table:
+        value = table["hold_containers"]
+        rules = () if value == [] else parse_rules("peermem.hold_containers", value)
+        pol = replace(pol, hold_containers=rules)
+    if "hold_scan_seconds" in table:
+        scan = cfgval.number("peermem.hold_scan_seconds", table["hold_scan_seconds"], 0.01, 10)
+        pol = replace(pol, hold_scan_s=scan)
     return pol
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -106,6 +107,18 @@ def parse_events(buf: bytes) -> tuple[list[PermEvent], list[str]]:
     return events, problems
 
 
+def parse_marked_devices(fdinfo: str) -> set[int]:
+    """The ``sdev`` of each filesystem mark in a fanotify fdinfo text, as ``st_dev``.
+
+    The kernel prints its own ``dev_t`` (major << 20 | minor) in hex; ``stat`` gives
+    the encoding ``os.makedev`` makes, so convert."""
+    devs: set[int] = set()
+    for m in re.finditer(r"^fanotify sdev:([0-9a-f]+) ", fdinfo, re.MULTILINE):
+        kdev = int(m.group(1), 16)
+        devs.add(os.makedev(kdev >> 20, kdev & 0xFFFFF))
+    return devs
+
+
 class FanotifyGroup:
     """A content-class fanotify group; raises OSError (with errno) when the kernel refuses."""
 
@@ -137,6 +150,13 @@ class FanotifyGroup:
 
     def unmark_filesystem(self, path: str) -> None:
         self._mark(FAN_MARK_REMOVE, path)
+
+    def marked_devices(self) -> set[int]:
+        """``st_dev`` of every filesystem this group has a mark on, as the kernel lists them
+        (``/proc/self/fdinfo``: one ``fanotify sdev:`` line per filesystem mark); a mark the
+        kernel dropped with its superblock is gone from here."""
+        with open(f"/proc/self/fdinfo/{self.fd}", encoding="ascii", errors="replace") as f:
+            return parse_marked_devices(f.read(1 << 20))
 
     def read(self) -> list[PermEvent]:
         try:

@@ -242,12 +242,14 @@ def start_hold(
     gate_open: Callable[[], bool],
     budget_s: float,
     host_pids: bool,
+    containers: bool = False,
     on_report: Callable[[], None] = lambda: None,
 ) -> tuple[Responder | None, list[str], list[str]]:
     """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
 
     Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
-    nothing marked; a root that cannot be marked is named and skipped.
+    nothing marked and no container roots to come (``containers``); a root that cannot be
+    marked is named and skipped.
     """
     if not host_pids:
         source.close()
@@ -271,7 +273,7 @@ def start_hold(
             problems.append(f"peermem.hold_roots: cannot mark {name}: {exc.strerror or exc}")
             continue
         marked.append(name)
-    if not marked:
+    if not marked and not containers:
         source.close()
         return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
     responder = Responder(source, gate_open=gate_open, budget_s=budget_s, on_report=on_report)

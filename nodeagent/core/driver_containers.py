@@ -1,0 +1,75 @@
+"""Which processes are a GPU driver container, whose root the peermem hold marks.
+
+The GPU Operator's ``nvidia-driver-ctr`` loads ``nvidia-peermem`` from its own
+root, before it bind-mounts that root at ``/run/nvidia/driver``, and each start
+is a new overlay; so the hold marks each driver container's root as it starts
+(``host/containers.py``). Cgroup paths under containerd and CRI-O name a pod
+and a container *id*, not the container's name, so the rule reads the command
+line, which is the one thing the DaemonSet sets and every runtime shows:
+
+- ``nvidia-driver init``: the driver container as shipped (every distribution,
+  precompiled or not: ``command: [nvidia-driver]``, ``args: [init]``);
+- ``ocp_dtk_entrypoint nv-ctr-run-with-dtk``: the same container on OpenShift
+  with the Driver Toolkit.
+
+A rule is words: the first is a command's file name, the rest are the
+arguments that must follow it. A script started through its ``#!`` line shows
+as ``/bin/bash /usr/local/bin/nvidia-driver init`` (perhaps with one
+interpreter option), so the command may stand at ``argv[0]``, ``[1]`` or
+``[2]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from nodeagent.errors import NodeagentError
+
+DRIVER_CONTAINER_RULES: tuple[str, ...] = (
+    "nvidia-driver init",
+    "ocp_dtk_entrypoint nv-ctr-run-with-dtk",
+)
+MAX_RULES = 32
+_MAX_WORD = 255
+
+
+def parse_rules(key: str, value: Any) -> tuple[str, ...]:
+    """A config list of rules, each normalised to single-spaced words; NodeagentError
+    naming the bad entry."""
+    if not isinstance(value, list) or not value:
+        raise NodeagentError(f"config {key}: expected a non-empty list of command rules")
+    if len(value) > MAX_RULES:
+        raise NodeagentError(f"config {key}: {len(value)} rules, at most {MAX_RULES}")
+    rules: list[str] = []
+    for item in value:
+        words = item.split() if isinstance(item, str) else []
+        if not words:
+            raise NodeagentError(f"config {key}: {item!r} is not a command rule (words)")
+        for w in words:
+            if len(w) > _MAX_WORD or not w.isprintable():
+                raise NodeagentError(f"config {key}: {item!r} has an odd word {w[:40]!r}")
+        if "/" in words[0]:
+            raise NodeagentError(
+                f"config {key}: {item!r}: the command is a file name, without a directory"
+            )
+        rules.append(" ".join(words))
+    return tuple(rules)
+
+
+def split_cmdline(raw: bytes) -> list[str]:
+    """``/proc/<pid>/cmdline`` (NUL-separated) as words; undecodable bytes replaced."""
+    text = raw.decode("utf-8", "replace")
+    return text.rstrip("\0").split("\0") if text.strip("\0") else []
+
+
+def matching_rule(argv: Sequence[str], rules: Sequence[str]) -> str | None:
+    """The first rule ``argv`` matches, or None."""
+    for rule in rules:
+        command, *args = rule.split()
+        for i in range(min(3, len(argv))):
+            if argv[i].rsplit("/", 1)[-1] != command:
+                continue
+            if list(argv[i + 1 : i + 1 + len(args)]) == args:
+                return rule
+    return None

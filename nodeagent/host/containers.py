@@ -1,0 +1,261 @@
+"""Finds each GPU driver container as it starts and marks its root for the peermem hold.
+
+The driver container loads ``nvidia-peermem`` from its own root (an overlay, new
+at every start), so the hold must mark that overlay's filesystem before the
+container's first ``modprobe``. The mark is placed through ``/proc/<pid>/root``
+(needs the host's PID namespace): the overlay is mounted only in the
+container's mount namespace, and the kernel resolves the magic link to it.
+
+How new processes are noticed: a short poll of ``/proc``, on a thread of its
+own. Of the ways the issue lists, the process connector needs
+``CAP_NET_ADMIN`` beyond the hold's own privileges and drops events under load
+(``ENOBUFS``), so it would need this poll as a backstop anyway; a pidfd needs
+the pid first. The poll lists ``/proc`` (tens of microseconds for a hundred
+processes, ``bench/container_mark.py`` has the figures) and reads the command
+line of new processes only. A runtime's ``runc init`` becomes the entrypoint at
+``exec``, later than the pid appears, so a process is read again on each scan
+while it is young (``recheck_s``).
+
+Which processes: ``core/driver_containers.py`` decides from the command line. A
+match is marked only when its root is an overlay of its own (not the host's
+root, which would put every open on the node through the responder); one that
+is not is named once and left alone.
+
+A marked root is kept while the kernel keeps its mark (``fdinfo``): the kernel
+drops a filesystem mark when its superblock goes (the runtime unmounts the
+container's root), and no descriptor is held on it, so the unmount is never
+refused because of the agent. A root whose container is gone but whose overlay
+is still mounted (e.g. a stale bind at ``/run/nvidia/driver``) stays marked:
+a load through it is the same race.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nodeagent.core.driver_containers import matching_rule, split_cmdline
+
+OVERLAYFS_SUPER_MAGIC = 0x794C7630
+CMDLINE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ContainerRoot:
+    """A driver container's root, marked: its filesystem (``st_dev``) and who led to it."""
+
+    dev: int
+    pid: int
+    rule: str
+    command: str
+    marked_at: float  # the scanner's clock
+    noticed_s: float  # from first seeing the pid to the mark in place
+
+    def dev_text(self) -> str:
+        return f"{os.major(self.dev)}:{os.minor(self.dev)}"
+
+
+def _statfs_type() -> Callable[[str], int | None]:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        statfs = libc.statfs
+    except (OSError, AttributeError):
+        return lambda path: None
+    statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    statfs.restype = ctypes.c_int
+
+    def fs_type(path: str) -> int | None:
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if statfs(os.fsencode(path), buf) != 0:
+            return None
+        return int(ctypes.c_long.from_buffer(buf).value)  # f_type comes first
+
+    return fs_type
+
+
+class RootScanner:
+    """Polls ``/proc`` for driver containers and marks each new root; reports go to
+    ``reports`` (records for the loop) and ``on_report`` is called (it must not block)."""
+
+    def __init__(
+        self,
+        mark: Callable[[str], None],
+        marked_devices: Callable[[], set[int]],
+        rules: Sequence[str],
+        *,
+        proc: str = "/proc",
+        interval_s: float = 0.1,
+        recheck_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_report: Callable[[], None] = lambda: None,
+        fs_type: Callable[[str], int | None] | None = None,
+    ) -> None:
+        self.mark = mark
+        self.marked_devices = marked_devices
+        self.rules = tuple(rules)
+        self.proc = proc
+        self.interval_s = interval_s
+        self.recheck_s = recheck_s
+        self.clock = clock
+        self.on_report = on_report
+        self.fs_type = fs_type or _statfs_type()
+        self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
+        self.scans = 0
+        self._young: dict[int, float] = {}  # pid -> first seen: its command is read again
+        self._settled: set[int] = set()  # pids read for the last time (matched or too old)
+        self._roots: dict[int, ContainerRoot] = {}  # dev -> root
+        self._lock = threading.Lock()  # guards _roots for readers (status)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hold-root-scanner", daemon=True)
+        self._host_dev: int | None = None
+        self._problem_said: set[str] = set()
+
+    # -- the loop's side -------------------------------------------------------
+
+    def start(self) -> None:
+        self._host_dev = self._dev(f"{self.proc}/1/root")
+        self._thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def roots(self) -> list[ContainerRoot]:
+        with self._lock:
+            return sorted(self._roots.values(), key=lambda r: r.marked_at)
+
+    # -- the scanner ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.scan()
+            self._stop.wait(self.interval_s)
+
+    def scan(self) -> None:
+        """One look at ``/proc``: mark new driver containers' roots, retire gone ones."""
+        self.scans += 1
+        now = self.clock()
+        try:
+            pids = {int(n) for n in os.listdir(self.proc) if n.isdigit()}
+        except OSError as exc:
+            self._problem(f"cannot list {self.proc}: {exc.strerror or exc}")
+            return
+        self._settled &= pids
+        self._retire(pids)  # first: a freed overlay's device number may be reused at once
+        young = {p: t for p, t in self._young.items() if p in pids}
+        for pid in pids - self._settled - young.keys():
+            young[pid] = now
+        for pid, first in list(young.items()):
+            if self._check(pid, first) or now - first >= self.recheck_s:
+                del young[pid]
+                self._settled.add(pid)
+        self._young = young
+
+    def _check(self, pid: int, first_seen: float) -> bool:
+        """True when ``pid`` needs no further look (matched and handled)."""
+        try:
+            with open(f"{self.proc}/{pid}/cmdline", "rb") as f:
+                argv = split_cmdline(f.read(CMDLINE_BYTES))
+        except OSError:
+            return False  # gone, or a kernel thread racing: the listing settles it
+        rule = matching_rule(argv, self.rules)
+        if rule is None:
+            return False
+        root = f"{self.proc}/{pid}/root"
+        command = " ".join(argv)[:200]
+        dev = self._dev(root)
+        if dev is None:
+            self._refuse(pid, command, f"cannot stat {root}")
+            return True
+        with self._lock:
+            known = dev in self._roots
+        marks = self._kernel_marks() if known else None
+        if known and (marks is None or dev in marks):
+            return True  # another process of a container already marked
+        kind = self.fs_type(root)
+        if kind != OVERLAYFS_SUPER_MAGIC or dev == self._host_dev:
+            what = "the host's own root" if dev == self._host_dev else "not an overlay"
+            self._refuse(pid, command, f"its root is {what}; not marked")
+            return True
+        try:
+            self.mark(root)
+        except OSError as exc:
+            self._refuse(pid, command, f"cannot mark its root: {exc.strerror or exc}")
+            return True
+        now = self.clock()
+        marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen)
+        with self._lock:
+            self._roots[dev] = marked
+        self._report(
+            {
+                "kind": "hold-root-marked",
+                "pid": pid,
+                "dev": marked.dev_text(),
+                "rule": rule,
+                "command": command,
+                "noticed_ms": round(marked.noticed_s * 1000, 1),
+            }
+        )
+        return True
+
+    def _retire(self, pids: set[int]) -> None:
+        """Drop roots the kernel no longer marks (their superblock went with the container)."""
+        with self._lock:
+            if not self._roots:
+                return
+        kernel = self._kernel_marks()
+        if kernel is None:
+            return
+        with self._lock:
+            gone = [r for dev, r in self._roots.items() if dev not in kernel]
+            for r in gone:
+                del self._roots[r.dev]
+        for r in gone:
+            self._report(
+                {
+                    "kind": "hold-root-gone",
+                    "pid": r.pid,
+                    "dev": r.dev_text(),
+                    "container_alive": r.pid in pids,
+                    "seconds": round(self.clock() - r.marked_at, 3),
+                }
+            )
+
+    def _kernel_marks(self) -> set[int] | None:
+        try:
+            return self.marked_devices()
+        except OSError as exc:
+            self._problem(f"cannot read the group's marks: {exc.strerror or exc}")
+            return None
+
+    def _dev(self, path: str) -> int | None:
+        try:
+            return os.stat(path).st_dev
+        except OSError:
+            return None
+
+    def _refuse(self, pid: int, command: str, why: str) -> None:
+        self._report(
+            {
+                "kind": "state-problem",
+                "problem": f"peermem.hold_containers: {command} (pid {pid}): {why}",
+            }
+        )
+
+    def _problem(self, text: str) -> None:
+        if text not in self._problem_said:  # once: the scan repeats every interval
+            self._problem_said.add(text)
+            self._report({"kind": "state-problem", "problem": f"peermem.hold_containers: {text}"})
+
+    def _report(self, rec: dict[str, Any]) -> None:
+        self.reports.append(rec)
+        with contextlib.suppress(Exception):
+            self.on_report()

@@ -1,0 +1,93 @@
+"""A driver-container-like process, started as a container runtime starts one.
+
+``build_lower`` makes an image layer: the given tools with their libraries, and
+the entrypoint script ``/usr/local/bin/nvidia-driver`` (``#!/bin/sh``, waits on
+stdin). ``start`` mounts a fresh overlay over it *only inside a new mount
+namespace* (the host's mount table never shows it, as with containerd) and
+``exec``s into it: ``unshare`` → ``sh`` → ``chroot`` → the script, all one pid,
+so the pid appears under ``/proc`` first as ``unshare …`` and becomes
+``/bin/sh /usr/local/bin/nvidia-driver init`` at the last ``exec``, like
+``runc init`` becoming the entrypoint. Closing its stdin ends it, and its mount
+namespace, and so the overlay, go with it.
+
+Used by ``tests/test_container_roots.py`` on this machine's kernel and by the
+real-kernel suite, where modules are loaded from the same kind of root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+ENTRYPOINT = "/usr/local/bin/nvidia-driver"
+SCRIPT = "#!/bin/sh\nread x\n"
+
+
+def _copy_in(lower: Path, path: str) -> None:
+    """The file at ``path`` and at its resolved path (links become copies: simpler than
+    rebuilding each distribution's merged-/usr links, and the loader finds both)."""
+    real = os.path.realpath(path)
+    for p in {path, real}:
+        dest = Path(f"{lower}{p}")
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(real, dest)
+
+
+def build_lower(lower: Path, tools: list[str]) -> None:
+    """An image layer with ``/bin/sh``, ``tools`` (absolute paths) and their libraries."""
+    tools = ["/bin/sh", *tools]
+    for t in tools:
+        _copy_in(lower, t)
+    ldd = subprocess.run(["ldd", *tools], capture_output=True, text=True).stdout.split()
+    for lib in (w for w in ldd if w.startswith("/") and os.path.exists(w)):
+        _copy_in(lower, lib)
+    for d in ("proc", "dev", "tmp"):
+        (lower / d).mkdir(exist_ok=True)
+    script = Path(f"{lower}{ENTRYPOINT}")
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(SCRIPT)
+    script.chmod(0o755)
+
+
+@dataclass
+class Container:
+    proc: subprocess.Popen[bytes]
+    merged: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def enter(self, *argv: str) -> list[str]:
+        """``argv`` run inside: the container's mount namespace and root."""
+        return ["nsenter", "-t", str(self.pid), "-m", "-r", *argv]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def start(lower: Path, top: Path, argv: tuple[str, ...] = (ENTRYPOINT, "init")) -> Container:
+    """A container start: a new overlay (its own upper/work under ``top``), entered."""
+    n = len(list(top.glob("start-*")))
+    base = top / f"start-{n}"
+    upper, work, merged = base / "u", base / "w", base / "m"
+    for d in (upper, work, merged):
+        d.mkdir(parents=True)
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    script = f'mount -t overlay overlay -o {opts} {merged} && exec chroot {merged} "$@"'
+    proc = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+        stdin=subprocess.PIPE,
+    )
+    return Container(proc, merged)

@@ -1,0 +1,300 @@
+"""Driver containers' roots found as they start and marked, on this machine's kernel.
+
+The containers are real: a fresh overlay mounted only in a new mount namespace,
+a process ``exec``ing into it whose command line becomes the GPU Operator's
+``nvidia-driver init`` (``tests/containerroot.py``). The marks are real
+(``FAN_MARK_FILESYSTEM`` through ``/proc/<pid>/root``), read back from the
+kernel's own list (``fdinfo``). Module loads from such a root need the
+real-kernel suite (``tests/realkernel/test_container_hold_real.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nodeagent.core.driver_containers import (
+    DRIVER_CONTAINER_RULES,
+    matching_rule,
+    parse_rules,
+    split_cmdline,
+)
+from nodeagent.errors import NodeagentError
+from nodeagent.host.containers import RootScanner
+from nodeagent.host.fanotify import FanotifyGroup, parse_marked_devices
+from nodeagent.host.hold import Responder, sees_host_pids
+
+from . import containerroot
+from .containerroot import ENTRYPOINT, Container
+
+WAIT = 10.0
+
+
+def until(pred: Callable[[], object], what: str) -> None:
+    end = time.monotonic() + WAIT
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+# -- the rule (pure) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "rule"),
+    [
+        (["nvidia-driver", "init"], "nvidia-driver init"),
+        (["/bin/bash", "/usr/local/bin/nvidia-driver", "init"], "nvidia-driver init"),
+        (["/bin/bash", "-e", "/usr/local/bin/nvidia-driver", "init", "--x"], "nvidia-driver init"),
+        (["ocp_dtk_entrypoint", "nv-ctr-run-with-dtk"], "ocp_dtk_entrypoint nv-ctr-run-with-dtk"),
+        (["nvidia-driver", "build"], None),
+        (["nvidia-driver"], None),
+        (["/bin/sh", "-c", "x", "nvidia-driver", "init"], None),  # past argv[2]: not the command
+        (["my-nvidia-driver", "init"], None),
+        (["ocp_dtk_entrypoint", "dtk-build-driver"], None),  # the toolkit builds, never loads
+        ([], None),
+    ],
+)
+def test_the_default_rules_match_the_driver_container_as_shipped(
+    argv: list[str], rule: str | None
+) -> None:
+    assert matching_rule(argv, DRIVER_CONTAINER_RULES) == rule
+
+
+def test_cmdline_words() -> None:
+    assert split_cmdline(b"/bin/sh\0/usr/local/bin/nvidia-driver\0init\0") == [
+        "/bin/sh",
+        "/usr/local/bin/nvidia-driver",
+        "init",
+    ]
+    assert split_cmdline(b"") == [] and split_cmdline(b"\0") == []
+    assert split_cmdline(b"a\xff\0b\0") == ["a\ufffd", "b"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("nvidia-driver init", "expected a non-empty list"),
+        ([""], "is not a command rule"),
+        ([3], "is not a command rule"),
+        (["/usr/local/bin/nvidia-driver init"], "without a directory"),
+        (["nvidia-driver \x07"], "odd word"),
+        (["x"] * 33, "at most 32"),
+    ],
+)
+def test_a_bad_rule_is_named(value: object, message: str) -> None:
+    with pytest.raises(NodeagentError, match=message):
+        parse_rules("peermem.hold_containers", value)
+
+
+def test_rules_in_the_config() -> None:
+    from nodeagent.config import config_from_mapping
+
+    cfg = config_from_mapping({"peermem": {"hold_containers": ["  my-driver   start  "]}})
+    assert cfg.policy("peermem").hold_containers == ("my-driver start",)
+    cfg = config_from_mapping({"peermem": {"hold_containers": [], "hold_roots": []}})
+    assert cfg.policy("peermem").hold_containers == ()
+    with pytest.raises(NodeagentError, match=r"peermem\.hold_scan_seconds"):
+        config_from_mapping({"peermem": {"hold_scan_seconds": 0}})
+
+
+def test_marks_read_back_from_fdinfo() -> None:
+    text = (
+        "pos:\t0\nflags:\t02\nmnt_id:\t15\nino:\t1057\n"
+        "fanotify flags:10 event-flags:8000\n"
+        "fanotify sdev:2d mflags:0 mask:10000 ignored_mask:0\n"
+        "fanotify sdev:800003 mflags:0 mask:10000 ignored_mask:0\n"
+        "fanotify ino:1a sdev:2d mflags:0 mask:8 ignored_mask:0 fhandle-bytes:8\n"
+    )
+    assert parse_marked_devices(text) == {os.makedev(0, 0x2D), os.makedev(8, 3)}
+
+
+# -- real containers, real marks ------------------------------------------------
+
+
+@dataclass
+class Rig:
+    lower: Path
+    top: Path
+    group: FanotifyGroup
+    responder: Responder
+    containers: list[Container]
+
+    def start(self, argv: tuple[str, ...] = (ENTRYPOINT, "init")) -> Container:
+        c = containerroot.start(self.lower, self.top, argv)
+        self.containers.append(c)
+        return c
+
+
+def _overlay_works(tmp: Path) -> str | None:
+    if os.geteuid() != 0:
+        return "not root: cannot mount an overlay"
+    for tool in ("unshare", "nsenter", "chroot", "ldd"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    for d in "luwm":
+        (tmp / d).mkdir()
+    opts = f"lowerdir={tmp}/l,upperdir={tmp}/u,workdir={tmp}/w"
+    p = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t overlay overlay -o {opts} {tmp}/m"],
+        capture_output=True,
+        text=True,
+    )
+    return None if p.returncode == 0 else f"cannot mount an overlay here: {p.stderr.strip()}"
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    (tmp_path / "probe").mkdir()
+    why = _overlay_works(tmp_path / "probe")
+    if why:
+        pytest.skip(why)
+    try:
+        group = FanotifyGroup()
+    except OSError as exc:
+        pytest.skip(f"this kernel refuses a fanotify permission group: {exc}")
+    lower = tmp_path / "lower"
+    containerroot.build_lower(lower, [shutil.which("cat") or "/bin/cat"])
+    # Marked containers' opens wait on a responder: one that allows everything.
+    responder = Responder(group, gate_open=lambda: True, budget_s=5.0)
+    responder.start()
+    r = Rig(lower, tmp_path / "starts", group, responder, [])
+    r.top.mkdir()
+    try:
+        yield r
+    finally:
+        for c in r.containers:
+            c.stop()
+        responder.stop()
+
+
+def _scanner(rig: Rig, **kw: object) -> RootScanner:
+    scanner = RootScanner(
+        rig.group.mark_filesystem,
+        rig.group.marked_devices,
+        DRIVER_CONTAINER_RULES,
+        interval_s=0.02,
+        **kw,  # type: ignore[arg-type]
+    )
+    scanner.start()
+    return scanner
+
+
+def test_a_driver_container_is_marked_as_it_starts_and_dropped_when_it_goes(rig: Rig) -> None:
+    scanner = _scanner(rig)
+    try:
+        first = rig.start()
+        until(lambda: scanner.roots(), "the driver container's root was not marked")
+        (root,) = scanner.roots()
+        assert root.pid == first.pid and root.rule == "nvidia-driver init"
+        assert root.dev == os.stat(f"/proc/{first.pid}/root").st_dev
+        assert root.dev != os.stat("/").st_dev
+        assert str(first.merged) not in Path("/proc/self/mounts").read_text()  # its own ns only
+        assert root.dev in rig.group.marked_devices()  # the kernel's own list
+        # Opens inside the container now go through the responder.
+        before = rig.responder.counts["allowed"]
+        p = subprocess.run(first.enter("/bin/sh", "-c", f"cat {ENTRYPOINT}"), capture_output=True)
+        assert p.returncode == 0 and b"read x" in p.stdout
+        assert rig.responder.counts["allowed"] > before
+
+        # A second start while the first lives: a new overlay, marked too.
+        second = rig.start()
+        until(lambda: len(scanner.roots()) == 2, "the second start was not marked")
+        assert {r.pid for r in scanner.roots()} == {first.pid, second.pid}
+        assert len({r.dev for r in scanner.roots()}) == 2
+
+        # The first goes: its overlay goes with its mount namespace, the kernel drops the
+        # mark, and so does the scanner; nothing of the agent kept the overlay mounted.
+        first.stop()
+        until(lambda: len(scanner.roots()) == 1, "a gone container's root is still listed")
+        assert root.dev not in rig.group.marked_devices()
+        gone = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
+        assert [(g["pid"], g["container_alive"]) for g in gone] == [(first.pid, False)]
+        marked = [r for r in scanner.reports if r["kind"] == "hold-root-marked"]
+        assert [m["pid"] for m in marked] == [first.pid, second.pid]
+        assert all(m["command"].endswith("nvidia-driver init") for m in marked)
+    finally:
+        scanner.stop()
+
+
+def test_only_matching_containers_and_only_their_own_overlay(rig: Rig) -> None:
+    scanner = _scanner(rig)
+    host_proc = None
+    try:
+        other = rig.start((ENTRYPOINT, "build"))
+        # The rule's command line, but its root is the host's: named, never marked.
+        host_proc = subprocess.Popen(
+            ["/bin/sh", f"{rig.lower}{ENTRYPOINT}", "init"], stdin=subprocess.PIPE
+        )
+        until(
+            lambda: any(r["kind"] == "state-problem" for r in list(scanner.reports)),
+            "a matching process on the host's root was not named",
+        )
+        (problem,) = [r["problem"] for r in scanner.reports if r["kind"] == "state-problem"]
+        assert f"(pid {host_proc.pid})" in problem and problem.endswith("; not marked")
+        first = scanner.scans
+        until(lambda: scanner.scans >= first + 5, "the scanner stopped")
+        assert scanner.roots() == []
+        assert rig.group.marked_devices() == set()
+        assert other.proc.poll() is None
+    finally:
+        scanner.stop()
+        if host_proc is not None:
+            host_proc.kill()
+            host_proc.wait()
+
+
+def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path) -> None:
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config
+    from nodeagent.core.peermem import PeermemPolicy
+
+    from .healthy import healthy_node
+
+    if not sees_host_pids():
+        pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
+    rig.responder.stop()  # the agent's own group answers from here on
+    host = tmp_path / "host"
+    host.mkdir()
+    node = healthy_node(host, ready=False)
+    pol = PeermemPolicy(hold_loads="fanotify", hold_roots=(), hold_scan_s=0.02)
+    cfg = Config(host_root=str(host), mode="enforce", uevents=False, policies={"peermem": pol})
+    agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    status_file = host / "run/nodeagent/status.json"
+    try:
+        until(lambda: agent.hold_containers is not None, "the container scanner did not start")
+        c = rig.start()
+
+        def listed() -> list[dict[str, object]]:
+            try:
+                return list(json.loads(status_file.read_text())["hold"]["container_roots"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return []
+
+        until(listed, "status.json does not list the root")
+        (entry,) = listed()
+        dev = os.stat(f"/proc/{c.pid}/root").st_dev
+        assert entry["pid"] == c.pid and entry["dev"] == f"{os.major(dev)}:{os.minor(dev)}"
+        timeline = host / "var/lib/nodeagent/timeline.jsonl"
+        kinds = [json.loads(line).get("kind") for line in timeline.open()]
+        assert "hold-root-marked" in kinds
+        c.stop()
+        until(
+            lambda: "hold-root-gone" in [json.loads(line).get("kind") for line in timeline.open()],
+            "the gone root was not recorded",
+        )
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
