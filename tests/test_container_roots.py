@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.core.driver_containers import (
+from nodeagent.core.hold import (
     DRIVER_CONTAINER_RULES,
     matching_rule,
     parse_rules,

@@ -117,6 +117,56 @@ def test_other_files_and_non_loaders_are_allowed_at_once(marked: Marked) -> None
     assert marked.responder.counts["allowed"] >= 2
 
 
+def test_a_loader_of_an_inbox_rdma_module_is_held_and_of_mofeds_is_not(marked: Marked) -> None:
+    """The dependency a held peermem load would pull in first: the kernel's own ib_core."""
+    tree = marked.root / "lib/modules/6.1.0-test"
+    inbox = tree / "kernel/drivers/infiniband/core/ib_core.ko"
+    mofed = tree / "updates/dkms/ib_core.ko"
+    for f in (inbox, mofed):
+        f.parent.mkdir(parents=True)
+        f.write_bytes(CONTENT)
+    p = subprocess.run([marked.modprobe, str(mofed)], capture_output=True, timeout=WAIT)
+    assert p.returncode == 0 and marked.responder.counts["held"] == 0  # MOFED's: never held
+    proc = subprocess.Popen([marked.modprobe, str(inbox)], stdout=subprocess.PIPE)
+    try:
+        until(lambda: marked.responder.held(), "the inbox ib_core open was not held")
+        ((pid, _opener, path, _secs),) = marked.responder.held()
+        assert pid == proc.pid and path.endswith("kernel/drivers/infiniband/core/ib_core.ko")
+        marked.gate.set()
+        marked.responder.wake()
+        out, _ = proc.communicate(timeout=WAIT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out == CONTENT
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/lib/modules/6.1.0/kernel/drivers/video/nvidia-peermem.ko", "nvidia-peermem"),
+        ("/x/updates/dkms/nvidia_peermem.ko.xz", "nvidia-peermem"),
+        (
+            "/lib/modules/6.1.0/kernel/drivers/infiniband/core/ib_core.ko.zst",
+            "inbox RDMA dependency",
+        ),
+        (
+            "/r/lib/modules/6.1.0/kernel/drivers/net/ethernet/mellanox/mlx5/core/mlx5_core.ko",
+            "inbox RDMA dependency",
+        ),
+        ("/lib/modules/6.1.0/updates/dkms/ib_core.ko", None),
+        ("/lib/modules/6.1.0/extra/mlnx-ofa_kernel/drivers/infiniband/core/ib_core.ko", None),
+        ("/lib/modules/6.1.0/kernel/drivers/infiniband/core/ib_core.ko.bak", None),
+        ("/lib/modules/6.1.0/kernel/drivers/net/dummy.ko", None),
+        ("/lib/modules/6.1.0/modules.dep.bin", None),
+        ("?", None),
+    ],
+)
+def test_which_opens_the_hold_names(path: str, why: str | None) -> None:
+    from nodeagent.core.hold import held_open
+
+    assert held_open(path) == why
+
+
 def test_a_loader_is_held_while_the_gate_is_closed_and_released_when_it_opens(
     marked: Marked,
 ) -> None:

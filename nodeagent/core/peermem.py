@@ -30,7 +30,6 @@ from typing import Any
 
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
-from nodeagent.core.driver_containers import DRIVER_CONTAINER_RULES, parse_rules
 from nodeagent.core.gpudirect import classify
 from nodeagent.core.guard import (
     GuardDecision,
@@ -40,6 +39,7 @@ from nodeagent.core.guard import (
     is_count,
     time_field,
 )
+from nodeagent.core.hold import DRIVER_CONTAINER_RULES, parse_rules
 from nodeagent.core.identity import (
     abi_mismatches,
     disk_evidence,
@@ -78,7 +78,7 @@ class PeermemPolicy:
     hold_loads: str = "off"
     hold_budget_s: float = 900.0
     hold_roots: tuple[str, ...] = ("lib/modules",)  # under the host root: filesystems marked
-    # Processes whose root is marked as they start (core/driver_containers.py), how often
+    # Processes whose root is marked as they start (core/hold.py), how often
     # /proc is looked at for them; () marks no container root.
     hold_containers: tuple[str, ...] = DRIVER_CONTAINER_RULES
     hold_scan_s: float = 0.1

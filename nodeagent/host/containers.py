@@ -16,7 +16,7 @@ line of new processes only. A runtime's ``runc init`` becomes the entrypoint at
 ``exec``, later than the pid appears, so a process is read again on each scan
 while it is young (``recheck_s``).
 
-Which processes: ``core/driver_containers.py`` decides from the command line. A
+Which processes: ``core/hold.py`` decides from the command line. A
 match is marked only when its root is an overlay of its own (not the host's
 root, which would put every open on the node through the responder); one that
 is not is named once and left alone.
@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nodeagent.core.driver_containers import matching_rule, split_cmdline
+from nodeagent.core.hold import matching_rule, split_cmdline
 
 OVERLAYFS_SUPER_MAGIC = 0x794C7630
 CMDLINE_BYTES = 4096

@@ -1,12 +1,13 @@
-"""The responder: holds a module loader's open of ``nvidia-peermem.ko`` while the gate is closed.
+"""The responder: holds a module loader's open of ``nvidia-peermem.ko`` (and of an inbox RDMA
+module it would pull in) while the gate is closed; which opens: ``core/hold.py``.
 
 One thread of its own answers every fanotify permission event on the marked
 filesystems (``host/fanotify.py``, or any ``EventSource``):
 
 1. an event from the agent's own pid is allowed before anything else is done
    with it (the agent's own opens must never wait on itself);
-2. an open of anything but the peermem module file is allowed at once;
-3. an open of it by a module loader (``modprobe``/``insmod`` by ``/proc/<pid>/comm``
+2. an open of anything ``core/hold.held_open`` does not name is allowed at once;
+3. an open of one it names by a module loader (``modprobe``/``insmod`` by ``/proc/<pid>/comm``
    or ``/proc/<pid>/exe``, never guessed; ``modinfo``, ``depmod`` and ``cat`` are
    not loaders, though kmod's ``exe`` is the same for all) is held while
    the gate reads closed, and allowed the moment it reads open, when its hold
@@ -26,20 +27,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import re
 import select
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nodeagent.core.hold import held_open
 from nodeagent.host.events import Poke
 from nodeagent.host.fanotify import EventSource, PermEvent
 
 # kmod is one binary for modprobe, insmod, modinfo, depmod...: its exe says "kmod" for all
 # of them, its comm (argv[0]'s name) says which. So "kmod" alone names no loader.
 LOADERS = frozenset({"modprobe", "insmod"})
-TARGET = re.compile(r"nvidia[-_]peermem\.ko(\.(xz|zst|gz))?")
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ class Responder:
             self.counts["no_fd"] += 1
             return
         path = event_path(event)
-        if not TARGET.fullmatch(os.path.basename(path)):
+        if held_open(path) is None:
             self._allow(event)
             return
         if event.pid <= 0:

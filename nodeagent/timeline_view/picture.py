@@ -239,9 +239,11 @@ def build_picture(
                 )
             )
         elif kind in ("hold-root-marked", "hold-root-gone"):
-            what = "marked" if kind == "hold-root-marked" else "gone"
+            change = "marked" if kind == "hold-root-marked" else "gone"
             markers["agent"].append(
-                Marker(t, f"container root {what}: pid {rec.get('pid')} ({rec.get('dev')})", "idle")
+                Marker(
+                    t, f"container root {change}: pid {rec.get('pid')} ({rec.get('dev')})", "idle"
+                )
             )
         elif kind == "plan-superseded":
             left = ", ".join(_texts(rec.get("not_done"))) or "nothing"

@@ -1,4 +1,18 @@
-"""Which processes are a GPU driver container, whose root the peermem hold marks.
+"""What the fanotify peermem hold holds: which opens, and which processes' roots it marks.
+
+**Which opens** (``held_open``): a module loader's open, while the peermem gate is
+closed, of
+
+- ``nvidia-peermem.ko`` (any compression), from any tree: the seeds' load;
+- an RDMA core module (``ib_core``, ``ib_uverbs``, ``mlx5_core``, ...) from the
+  kernel's own tree (``lib/modules/<kver>/kernel/``): a held peermem load pulls
+  its dependencies first (modprobe inserts them before it opens peermem), so an
+  inbox ``ib_core`` would go in before MOFED's and MOFED's install then fails on
+  it — the seeds' failure by another road. MOFED's own modules live under
+  ``updates/`` or ``extra/`` and are never held, so MOFED's ``openibd`` never
+  waits on the gate that waits on it.
+
+**Which roots**:
 
 The GPU Operator's ``nvidia-driver-ctr`` loads ``nvidia-peermem`` from its own
 root, before it bind-mounts that root at ``/run/nvidia/driver``, and each start
@@ -21,6 +35,7 @@ interpreter option), so the command may stand at ``argv[0]``, ``[1]`` or
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +46,27 @@ DRIVER_CONTAINER_RULES: tuple[str, ...] = (
     "ocp_dtk_entrypoint nv-ctr-run-with-dtk",
 )
 MAX_RULES = 32
+
+PEERMEM_FILE = re.compile(r"nvidia[-_]peermem\.ko(\.(xz|zst|gz))?")
+# The modules MOFED replaces that nvidia-peermem's dependency chain can pull.
+INBOX_RDMA_MODULES = frozenset(
+    {"ib_core", "ib_uverbs", "ib_cm", "iw_cm", "rdma_cm", "ib_umad", "mlx5_core", "mlx5_ib"}
+)
+_MODULE_FILE = re.compile(r"(?P<name>[^/]+)\.ko(\.(xz|zst|gz))?")
+_KERNEL_TREE = re.compile(r"/lib/modules/[^/]+/kernel/")
+
+
+def held_open(path: str) -> str | None:
+    """Why a module loader's open of ``path`` waits for the gate (None: it does not)."""
+    base = path.rsplit("/", 1)[-1]
+    if PEERMEM_FILE.fullmatch(base):
+        return "nvidia-peermem"
+    m = _MODULE_FILE.fullmatch(base)
+    if m and m["name"].replace("-", "_") in INBOX_RDMA_MODULES and _KERNEL_TREE.search(path):
+        return "inbox RDMA dependency"
+    return None
+
+
 _MAX_WORD = 255
 
 
