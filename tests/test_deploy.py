@@ -8,6 +8,7 @@ and every metric an alert or the dashboard uses must be one the agent exports.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -30,6 +31,12 @@ from nodeagent.metrics import MetricsExporter
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 BASE, OPENSHIFT = DEPLOY / "base", DEPLOY / "overlays" / "openshift"
+# The opt-in peermem hold (deploy/components/peermem-hold), and its example overlays.
+HOLD_COMPONENT = DEPLOY / "components" / "peermem-hold"
+HOLD = DEPLOY / "overlays" / "peermem-hold"
+HOLD_OPENSHIFT = DEPLOY / "overlays" / "peermem-hold-openshift"
+# What the hold adds to the base's capabilities, and nothing else.
+HOLD_CAPS = ["SYS_ADMIN", "SYS_PTRACE"]
 OPERATIONS = REPO / "docs" / "operations.md"
 CRD_KINDS = {"PrometheusRule", "ServiceMonitor", "SecurityContextConstraints"}
 # What the issue asks the rules to cover, by alert name.
@@ -81,7 +88,11 @@ def metric_names_in(expr: str) -> set[str]:
     return set(re.findall(r"\bnodeagent_[a-z0-9_]+", expr))
 
 
-@pytest.mark.parametrize("directory", [BASE, OPENSHIFT], ids=["base", "openshift"])
+@pytest.mark.parametrize(
+    "directory",
+    [BASE, OPENSHIFT, HOLD, HOLD_OPENSHIFT],
+    ids=["base", "openshift", "peermem-hold", "peermem-hold-openshift"],
+)
 def test_every_manifest_validates_offline(directory: Path) -> None:
     import kubernetes_validate
 
@@ -240,3 +251,104 @@ def test_openshift_scc_allows_exactly_what_the_daemonset_asks() -> None:
     binding = by_kind(docs, "ClusterRoleBinding")
     (subject,) = binding["subjects"]
     assert (subject["name"], subject["namespace"]) == ("nodeagent", "nodeagent")
+
+
+# -- the opt-in peermem hold (deploy/components/peermem-hold) ----------------------
+
+
+def agent_config(docs: tuple[dict[str, Any], ...]) -> str:
+    """The agent.toml the DaemonSet mounts (by the name its config volume refers to)."""
+    spec, _ = daemonset_container(docs)
+    (name,) = [v["configMap"]["name"] for v in spec["volumes"] if v["name"] == "config"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name]
+    assert name.startswith("nodeagent-config-"), "generated, with its content hash"
+    assert set(cm["data"]) == {"agent.toml"}
+    text: str = cm["data"]["agent.toml"]
+    return text
+
+
+@pytest.mark.parametrize("directory", [BASE, OPENSHIFT], ids=["base", "openshift"])
+def test_the_shipped_default_grants_no_hold_privileges(directory: Path) -> None:
+    docs = rendered(directory)
+    spec, c = daemonset_container(docs)
+    assert spec["hostPID"] is False
+    added = set(c["securityContext"]["capabilities"]["add"])
+    assert added.isdisjoint(HOLD_CAPS)
+    assert agent_config(docs) == (BASE / "agent.toml").read_text()
+    assert "hold_loads" not in tomllib.loads(agent_config(docs)).get("peermem", {})
+
+
+@pytest.mark.parametrize(
+    ("plain", "with_hold"), [(BASE, HOLD), (OPENSHIFT, HOLD_OPENSHIFT)], ids=["base", "openshift"]
+)
+def test_the_hold_component_adds_host_pids_and_two_capabilities_only(
+    plain: Path, with_hold: Path
+) -> None:
+    before, after = by_kind(rendered(plain), "DaemonSet"), by_kind(rendered(with_hold), "DaemonSet")
+    spec, c = daemonset_container(rendered(with_hold))
+    assert spec["hostPID"] is True, "the hold names openers by host pid, and finds containers"
+    sc = c["securityContext"]
+    base_caps = daemonset_container(rendered(plain))[1]["securityContext"]["capabilities"]["add"]
+    assert sc["capabilities"]["add"] == [*base_caps, *HOLD_CAPS], "the base's kept, two appended"
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert not spec.get("hostIPC") and spec["automountServiceAccountToken"] is False
+
+    # Nothing else differs: the plain DaemonSet with those changes is the hold's, but for
+    # the config's name (its content hash changes with hold_loads).
+    expected = copy.deepcopy(before)
+    pod = expected["spec"]["template"]["spec"]
+    pod["hostPID"] = True
+    pod["containers"][0]["securityContext"]["capabilities"]["add"] += HOLD_CAPS
+    (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
+    (hold_config,) = [v for v in spec["volumes"] if v["name"] == "config"]
+    assert hold_config["configMap"]["name"] != config["configMap"]["name"]
+    config["configMap"]["name"] = hold_config["configMap"]["name"]
+    assert after == expected
+
+
+@pytest.mark.parametrize("directory", [HOLD, HOLD_OPENSHIFT], ids=["base", "openshift"])
+def test_the_hold_config_is_the_base_config_plus_hold_loads(directory: Path) -> None:
+    text = agent_config(rendered(directory))
+    assert text == (HOLD_COMPONENT / "agent.toml").read_text()
+    data = tomllib.loads(text)
+    expected = tomllib.loads((BASE / "agent.toml").read_text())
+    expected.setdefault("peermem", {})["hold_loads"] = "fanotify"
+    assert data == expected, "the base's settings, every one, plus hold_loads"
+    cfg = config_from_mapping(data)
+    assert cfg.policy("peermem").hold_loads == "fanotify"
+    assert cfg.mode == "observe", "as the base: enforce is a deliberate switch"
+
+
+def test_the_hold_openshift_scc_allows_exactly_what_the_daemonset_asks() -> None:
+    docs = rendered(HOLD_OPENSHIFT)
+    scc = by_kind(docs, "SecurityContextConstraints")
+    spec, c = daemonset_container(docs)
+    sc = c["securityContext"]
+    assert sorted(scc["allowedCapabilities"]) == sorted(sc["capabilities"]["add"])
+    assert scc["allowHostPID"] is spec["hostPID"] is True
+    assert scc["requiredDropCapabilities"] == ["ALL"]
+    assert scc["allowPrivilegedContainer"] is False and scc["allowPrivilegeEscalation"] is False
+    assert scc["allowHostIPC"] is False and scc["readOnlyRootFilesystem"] is True
+    # The same SCC as the openshift overlay's but for host PIDs, the two capabilities and
+    # its description; the openshift overlay's own SCC is not widened.
+    plain = by_kind(rendered(OPENSHIFT), "SecurityContextConstraints")
+    assert plain["allowHostPID"] is False
+    assert not set(HOLD_CAPS) & set(plain["allowedCapabilities"])
+    expected = copy.deepcopy(plain)
+    expected["allowHostPID"] = True
+    expected["allowedCapabilities"] += HOLD_CAPS
+    description = "kubernetes.io/description"
+    assert "hostPID" in scc["metadata"]["annotations"][description]
+    expected["metadata"]["annotations"][description] = scc["metadata"]["annotations"][description]
+    assert scc == expected
+    # Everything else the openshift overlay renders is there unchanged.
+    others = [
+        d
+        for d in rendered(OPENSHIFT)
+        if d["kind"] not in ("DaemonSet", "ConfigMap", "SecurityContextConstraints")
+    ]
+    for d in others:
+        assert d in docs, f"{d['kind']} {d['metadata']['name']}"
