@@ -227,7 +227,7 @@ def test_a_driver_container_is_marked_as_it_starts_and_dropped_when_it_goes(rig:
 
 
 def test_only_matching_containers_and_only_their_own_overlay(rig: Rig) -> None:
-    scanner = _scanner(rig)
+    scanner = _scanner(rig, recheck_s=0.5)
     host_proc = None
     try:
         other = rig.start((ENTRYPOINT, "build"))
@@ -298,3 +298,52 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
         agent.stop()
         thread.join(WAIT)
         node.kernel.uevent_source.close()
+
+
+def test_a_wrapper_matches_before_its_chroot_and_is_marked_after_it(tmp_path: Path) -> None:
+    """``chroot DIR nvidia-driver init`` matches the rule while its root is still the host's;
+    the scanner must look again, not give up on the pid (a fake /proc, a fake clock)."""
+    from nodeagent.host.containers import OVERLAYFS_SUPER_MAGIC
+
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    os.symlink("/proc", proc / "1/root")  # "the host's root": another device than tmp_path
+    # Each root on a device of its own, as real roots are: the host's, sysfs, the "overlay".
+    host_like, other, overlay = Path("/proc"), Path("/sys"), tmp_path / "ctr"
+    overlay.mkdir()
+    overlays = {str(overlay)}
+
+    def pid_dir(pid: int, argv: list[str], root: Path) -> None:
+        d = proc / str(pid)
+        d.mkdir(exist_ok=True)
+        (d / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+        if os.path.lexists(d / "root"):
+            os.unlink(d / "root")
+        os.symlink(root, d / "root")
+
+    now = [0.0]
+    marked: list[str] = []
+    scanner = RootScanner(
+        marked.append,
+        lambda: {os.stat(p).st_dev for p in marked},
+        DRIVER_CONTAINER_RULES,
+        proc=str(proc),
+        recheck_s=5.0,
+        clock=lambda: now[0],
+        fs_type=lambda p: OVERLAYFS_SUPER_MAGIC if os.path.realpath(p) in overlays else 0,
+    )
+    scanner._host_dev = os.stat(proc / "1/root").st_dev  # what start() does
+    pid_dir(100, ["chroot", str(overlay), ENTRYPOINT, "init"], host_like)
+    pid_dir(200, [ENTRYPOINT, "init"], other)  # matches, never an overlay
+    scanner.scan()
+    assert marked == [] and list(scanner.reports) == []  # not yet: no verdict, no noise
+    now[0] = 1.0
+    pid_dir(100, ["/bin/sh", ENTRYPOINT, "init"], overlay)  # after the chroot and the exec
+    scanner.scan()
+    assert marked == [str(proc / "100/root")]
+    assert [r.pid for r in scanner.roots()] == [100]
+    now[0] = 6.0  # pid 200's window ends: named once, then left alone
+    scanner.scan()
+    scanner.scan()
+    problems = [r["problem"] for r in scanner.reports if r["kind"] == "state-problem"]
+    assert len(problems) == 1 and "(pid 200)" in problems[0] and "not an overlay" in problems[0]

@@ -77,7 +77,10 @@ class PeermemPolicy:
     # startup probe (120 x 10 s): past it the open is allowed and reported.
     hold_loads: str = "off"
     hold_budget_s: float = 900.0
-    hold_roots: tuple[str, ...] = ("lib/modules",)  # under the host root: filesystems marked
+    # Under the host root: filesystems marked at start. None by default: /lib/modules is
+    # rarely a mount of its own, so marking it marks the host's root filesystem (every open
+    # on the node through the responder); the driver containers' roots are marked instead.
+    hold_roots: tuple[str, ...] = ()
     # Processes whose root is marked as they start (core/hold.py), how often
     # /proc is looked at for them; () marks no container root.
     hold_containers: tuple[str, ...] = DRIVER_CONTAINER_RULES

@@ -14,7 +14,9 @@ the pid first. The poll lists ``/proc`` (tens of microseconds for a hundred
 processes, ``bench/container_mark.py`` has the figures) and reads the command
 line of new processes only. A runtime's ``runc init`` becomes the entrypoint at
 ``exec``, later than the pid appears, so a process is read again on each scan
-while it is young (``recheck_s``).
+while it is young (``recheck_s``); a match whose root is not yet an overlay of
+its own (a wrapper before its ``chroot``) is looked at again too, and named
+only if it still is not when its window ends.
 
 Which processes: ``core/hold.py`` decides from the command line. A
 match is marked only when its root is an overlay of its own (not the host's
@@ -109,6 +111,7 @@ class RootScanner:
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
         self.scans = 0
         self._young: dict[int, float] = {}  # pid -> first seen: its command is read again
+        self._not_yet: dict[int, tuple[str, str]] = {}  # young matches not markable yet: why
         self._settled: set[int] = set()  # pids read for the last time (matched or too old)
         self._roots: dict[int, ContainerRoot] = {}  # dev -> root
         self._lock = threading.Lock()  # guards _roots for readers (status)
@@ -154,9 +157,14 @@ class RootScanner:
         for pid in pids - self._settled - young.keys():
             young[pid] = now
         for pid, first in list(young.items()):
-            if self._check(pid, first) or now - first >= self.recheck_s:
+            done = self._check(pid, first)
+            if done or now - first >= self.recheck_s:
                 del young[pid]
                 self._settled.add(pid)
+                refused = self._not_yet.pop(pid, None)
+                if refused is not None and not done:  # still not markable at its window's end
+                    self._refuse(pid, *refused)
+        self._not_yet = {p: why for p, why in self._not_yet.items() if p in young}
         self._young = young
 
     def _check(self, pid: int, first_seen: float) -> bool:
@@ -173,8 +181,8 @@ class RootScanner:
         command = " ".join(argv)[:200]
         dev = self._dev(root)
         if dev is None:
-            self._refuse(pid, command, f"cannot stat {root}")
-            return True
+            self._not_yet[pid] = (command, f"cannot stat {root}")
+            return False
         with self._lock:
             known = dev in self._roots
         marks = self._kernel_marks() if known else None
@@ -183,8 +191,10 @@ class RootScanner:
         kind = self.fs_type(root)
         if kind != OVERLAYFS_SUPER_MAGIC or dev == self._host_dev:
             what = "the host's own root" if dev == self._host_dev else "not an overlay"
-            self._refuse(pid, command, f"its root is {what}; not marked")
-            return True
+            # Not final while it is young: a wrapper (``chroot DIR nvidia-driver init``)
+            # matches before its chroot; the entrypoint after it has the overlay root.
+            self._not_yet[pid] = (command, f"its root is {what}; not marked")
+            return False
         try:
             self.mark(root)
         except OSError as exc:

@@ -184,3 +184,31 @@ def load_manifest(path: str | os.PathLike[str] | None) -> dict[str, dict[str, st
     with open(path) as f:
         data: dict[str, dict[str, str]] = json.load(f)
     return data
+
+
+def symbol_provider(name: str, sym: str, version: str = "") -> KModule:
+    """A module exporting ``int sym(void)`` (an ``ib_core``-like provider), with a
+    ``MODULE_VERSION`` when given (two builds of one module told apart in /sys)."""
+    tail = f'MODULE_VERSION("{version}");\n' if version else ""
+    src = (
+        "#include <linux/module.h>\n"
+        f"int {sym}(void) {{ return 0; }}\n"
+        f"EXPORT_SYMBOL({sym});\n"
+        'MODULE_LICENSE("GPL");\n'
+    )
+    return KModule(name, {f"{name}.c": src + tail})
+
+
+def symbol_user(name: str, sym: str, provider: KModule) -> KModule:
+    """A module whose init calls ``sym`` (a peermem-like consumer): modprobe loads
+    ``provider`` first."""
+    src = (
+        "#include <linux/module.h>\n"
+        f"extern int {sym}(void);\n"
+        f"static int __init m_init(void) {{ return {sym}(); }}\n"
+        "static void __exit m_exit(void) {}\n"
+        "module_init(m_init);\n"
+        "module_exit(m_exit);\n"
+        'MODULE_LICENSE("GPL");\n'
+    )
+    return KModule(name, {f"{name}.c": src}, uses=(provider,))

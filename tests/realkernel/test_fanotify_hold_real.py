@@ -28,38 +28,14 @@ import pytest
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.hold import Responder
 
-from .modbuild import KModule
+from .modbuild import KModule, symbol_provider, symbol_user
 
 pytestmark = pytest.mark.realkernel
 
 WAIT = 20.0
 SYM = "na_hold_register_peer"
-PROV = KModule(
-    "na_hold_ib",
-    {
-        "na_hold_ib.c": f"""
-#include <linux/module.h>
-int {SYM}(void) {{ return 0; }}
-EXPORT_SYMBOL({SYM});
-MODULE_LICENSE("GPL");
-"""
-    },
-)
-PEER = KModule(
-    "na_hold_peer",
-    {
-        "na_hold_peer.c": f"""
-#include <linux/module.h>
-extern int {SYM}(void);
-static int __init m_init(void) {{ return {SYM}(); }}
-static void __exit m_exit(void) {{}}
-module_init(m_init);
-module_exit(m_exit);
-MODULE_LICENSE("GPL");
-"""
-    },
-    uses=(PROV,),
-)
+PROV = symbol_provider("na_hold_ib", SYM)
+PEER = symbol_user("na_hold_peer", SYM, PROV)
 
 
 @dataclass
