@@ -39,7 +39,7 @@ from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSour
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
-from nodeagent.host.hold import Responder, sees_host_pids, start_hold
+from nodeagent.host.hold import HoldHost, Responder, start_hold
 from nodeagent.host.kmod import ModuleOps, default_module_ops
 from nodeagent.host.netlink import PyrouteOps, SriovOps
 from nodeagent.host.observe import Observer, Readers, no_sriov
@@ -121,6 +121,7 @@ class Agent:
         readers: Readers | None = None,
         sriov_ops: SriovOps | None = None,
         stepped_plans: bool = False,
+        hold_host: HoldHost | None = None,
     ) -> None:
         """``pass_context`` wraps every pass (the simulator holds its world lock in it);
         ``on_pass`` runs at the end of every pass, inside that context, with the result or
@@ -131,6 +132,8 @@ class Agent:
         simulator's kernel; pyroute2 by default). ``stepped_plans``: plans run right
         after the pass that submitted them, inside its ``pass_context``, instead of in
         worker threads (the simulator, whose virtual clock must order every step).
+        ``hold_host``: the kernel the fanotify hold marks and answers (the running one
+        by default; the simulator's own).
         """
         self.cfg = cfg
         self.pass_context = pass_context or nullcontext
@@ -187,6 +190,7 @@ class Agent:
         self.hold: Responder | None = None
         self.hold_marked: list[str] = []
         self.hold_containers: RootScanner | None = None  # driver containers' roots, as they start
+        self.hold_host = hold_host or HoldHost(group=FanotifyGroup)
         self.hold_since: float | None = None
         self._hold_gate_open = False  # what the responder reads: never a file, never a lock
         self._last_signature: Any = None
@@ -358,8 +362,9 @@ class Agent:
         pol = self.cfg.policy("peermem")
         if self.cfg.mode != "enforce" or pol.hold_loads != "fanotify":
             return
+        host = self.hold_host
         try:
-            group = FanotifyGroup()
+            group = host.group()
         except OSError as exc:
             log.warning("peermem.hold_loads: %s", exc)
             self.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
@@ -371,9 +376,12 @@ class Agent:
             roots,
             gate_open=lambda: self._hold_gate_open,
             budget_s=pol.hold_budget_s,
-            host_pids=sees_host_pids(),
+            host_pids=host.host_pids(),
             containers=bool(pol.hold_containers),
             on_report=lambda: self.plans_ended.poke("held open ended"),  # a pipe write
+            proc=host.proc,
+            path_of=host.path_of,
+            threaded=host.threaded,
         )
         for p in problems:
             log.warning(p)
@@ -395,8 +403,14 @@ class Agent:
                 pol.hold_containers,
                 interval_s=pol.hold_scan_s,
                 on_report=lambda: self.plans_ended.poke("container root"),
+                proc=host.proc,
+                dev_of=host.dev_of,
+                fs_type=host.fs_type,
             )
-            self.hold_containers.start()
+            if host.threaded:
+                self.hold_containers.start()
+            else:
+                self.hold_containers.prepare()
 
     def _event_pending(self) -> bool:
         """Did anything that wakes the loop arrive since this pass drained its sources?"""

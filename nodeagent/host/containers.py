@@ -82,6 +82,13 @@ def _statfs_type() -> Callable[[str], int | None]:
     return fs_type
 
 
+def _stat_dev(path: str) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
+
+
 class RootScanner:
     """Polls ``/proc`` for driver containers and marks each new root; reports go to
     ``reports`` (records for the loop) and ``on_report`` is called (it must not block)."""
@@ -98,7 +105,10 @@ class RootScanner:
         clock: Callable[[], float] = time.monotonic,
         on_report: Callable[[], None] = lambda: None,
         fs_type: Callable[[str], int | None] | None = None,
+        dev_of: Callable[[str], int | None] | None = None,
     ) -> None:
+        """``fs_type``, ``dev_of``: a root's filesystem type and device (``statfs``,
+        ``stat``; the simulator's kernel gives its own superblocks)."""
         self.mark = mark
         self.marked_devices = marked_devices
         self.rules = tuple(rules)
@@ -108,6 +118,7 @@ class RootScanner:
         self.clock = clock
         self.on_report = on_report
         self.fs_type = fs_type or _statfs_type()
+        self._dev = dev_of or _stat_dev
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
         self.scans = 0
         self._young: dict[int, float] = {}  # pid -> first seen: its command is read again
@@ -122,8 +133,12 @@ class RootScanner:
 
     # -- the loop's side -------------------------------------------------------
 
-    def start(self) -> None:
+    def prepare(self) -> None:
+        """Read what the host's own root is (``start`` does it; a stepped caller too)."""
         self._host_dev = self._dev(f"{self.proc}/1/root")
+
+    def start(self) -> None:
+        self.prepare()
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
@@ -244,12 +259,6 @@ class RootScanner:
             return self.marked_devices()
         except OSError as exc:
             self._problem(f"cannot read the group's marks: {exc.strerror or exc}")
-            return None
-
-    def _dev(self, path: str) -> int | None:
-        try:
-            return os.stat(path).st_dev
-        except OSError:
             return None
 
     def _refuse(self, pid: int, command: str, why: str) -> None:

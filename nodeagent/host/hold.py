@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from nodeagent.core.hold import held_open
 from nodeagent.host.events import Poke
@@ -94,17 +95,23 @@ class Responder:
         budget_s: float,
         own_pid: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        loader_of: Callable[[int], tuple[bool, str]] = is_loader,
+        loader_of: Callable[[int], tuple[bool, str]] | None = None,
         on_report: Callable[[], None] = lambda: None,
+        proc: str = "/proc",
+        path_of: Callable[[PermEvent], str] = lambda event: event_path(event),
     ) -> None:
         """``on_report``: called (from the responder thread, so it must not block or open a
-        file) when a report is added: the loop records it on its next pass."""
+        file) when a report is added: the loop records it on its next pass. ``proc``,
+        ``path_of``: where openers and opened files are read (the simulator's kernel
+        gives its own)."""
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
         self.own_pid = os.getpid() if own_pid is None else own_pid
         self.clock = clock
-        self.loader_of = loader_of
+        self.proc = proc
+        self.loader_of = loader_of or (lambda pid: is_loader(pid, proc))
+        self.path_of = path_of
         self.on_report = on_report
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
         # no_fd: the kernel could not open the file for us (e.g. our descriptors ran out)
@@ -138,6 +145,8 @@ class Responder:
         self.wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        elif self._thread.ident is None:  # stepped, never a thread: release here
+            self._release(stopping=True)
         self.source.close()
         self._wake.close()
 
@@ -150,11 +159,16 @@ class Responder:
         while not self._stopping:
             with contextlib.suppress(InterruptedError):
                 poller.poll(self._timeout_ms())
-            self._wake.drain()
-            for event in self.source.read():
-                self._answer(event)
-            self._release()
+            self.step()
         self._release(stopping=True)
+
+    def step(self) -> None:
+        """One round: take the wake-ups, answer every event read, release what may go.
+        The thread runs it after each wait; the simulator calls it between its steps."""
+        self._wake.drain()
+        for event in self.source.read():
+            self._answer(event)
+        self._release()
 
     def _timeout_ms(self) -> int | None:
         with self._lock:
@@ -178,7 +192,7 @@ class Responder:
         if event.fd < 0:
             self.counts["no_fd"] += 1
             return
-        path = event_path(event)
+        path = self.path_of(event)
         if held_open(path) is None:
             self._allow(event)
             return
@@ -210,7 +224,7 @@ class Responder:
                     done.append((h, "gate opened"))
                 elif now - h.began >= self.budget_s:
                     done.append((h, "budget expired"))
-                elif not os.path.exists(f"/proc/{h.event.pid}"):
+                elif not os.path.exists(f"{self.proc}/{h.event.pid}"):
                     done.append((h, "opener gone"))
                 else:
                     keep.append(h)
@@ -234,6 +248,30 @@ def sees_host_pids(status_path: str = "/proc/self/status") -> bool:
     return True  # a kernel without NSpid (< 4.1) has no nested namespaces to tell apart
 
 
+class HoldGroup(EventSource, Protocol):
+    """A permission group the hold can mark: the kernel's fanotify group, or the
+    simulator's."""
+
+    def mark_filesystem(self, path: str) -> None: ...
+
+    def marked_devices(self) -> set[int]: ...
+
+
+@dataclass(frozen=True)
+class HoldHost:
+    """Where the hold meets a kernel: the running one by default. The simulator gives its
+    own group, process table and superblocks, and steps the responder and the scanner
+    itself (``threaded=False``) so its virtual clock orders every answer."""
+
+    group: Callable[[], HoldGroup]  # OSError when the kernel refuses
+    proc: str = "/proc"
+    host_pids: Callable[[], bool] = lambda: sees_host_pids()
+    path_of: Callable[[PermEvent], str] = lambda event: event_path(event)
+    dev_of: Callable[[str], int | None] | None = None  # a root's device (default: stat)
+    fs_type: Callable[[str], int | None] | None = None  # a root's fs type (default: statfs)
+    threaded: bool = True
+
+
 def start_hold(
     source: EventSource,
     mark: Callable[[str], None],
@@ -244,6 +282,9 @@ def start_hold(
     host_pids: bool,
     containers: bool = False,
     on_report: Callable[[], None] = lambda: None,
+    proc: str = "/proc",
+    path_of: Callable[[PermEvent], str] = lambda event: event_path(event),
+    threaded: bool = True,
 ) -> tuple[Responder | None, list[str], list[str]]:
     """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
 
@@ -276,6 +317,14 @@ def start_hold(
     if not marked and not containers:
         source.close()
         return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
-    responder = Responder(source, gate_open=gate_open, budget_s=budget_s, on_report=on_report)
-    responder.start()
+    responder = Responder(
+        source,
+        gate_open=gate_open,
+        budget_s=budget_s,
+        on_report=on_report,
+        proc=proc,
+        path_of=path_of,
+    )
+    if threaded:
+        responder.start()
     return responder, marked, problems
