@@ -382,6 +382,7 @@ class Agent:
             proc=host.proc,
             path_of=host.path_of,
             threaded=host.threaded,
+            clock=host.clock,
         )
         for p in problems:
             log.warning(p)
@@ -406,6 +407,7 @@ class Agent:
                 proc=host.proc,
                 dev_of=host.dev_of,
                 fs_type=host.fs_type,
+                clock=host.clock,
             )
             if host.threaded:
                 self.hold_containers.start()

@@ -120,6 +120,7 @@ class RootScanner:
         self.fs_type = fs_type or _statfs_type()
         self._dev = dev_of or _stat_dev
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
+        self.reported = 0  # reports ever added (the deque is drained by the loop)
         self.scans = 0
         self._young: dict[int, float] = {}  # pid -> first seen: its command is read again
         self._not_yet: dict[int, tuple[str, str]] = {}  # young matches not markable yet: why
@@ -276,5 +277,6 @@ class RootScanner:
 
     def _report(self, rec: dict[str, Any]) -> None:
         self.reports.append(rec)
+        self.reported += 1
         with contextlib.suppress(Exception):
             self.on_report()

@@ -114,6 +114,7 @@ class Responder:
         self.path_of = path_of
         self.on_report = on_report
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
+        self.reported = 0  # reports ever added (the deque is drained by the loop)
         # no_fd: the kernel could not open the file for us (e.g. our descriptors ran out)
         # and denied that open itself; overflow: the kernel's queue overflowed.
         self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0, "no_fd": 0}
@@ -232,6 +233,7 @@ class Responder:
         for h, why in done:
             self._allow(h.event)
             self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))
+            self.reported += 1
         if done:
             self.on_report()
 
@@ -270,6 +272,7 @@ class HoldHost:
     dev_of: Callable[[str], int | None] | None = None  # a root's device (default: stat)
     fs_type: Callable[[str], int | None] | None = None  # a root's fs type (default: statfs)
     threaded: bool = True
+    clock: Callable[[], float] = time.monotonic  # budgets and ages
 
 
 def start_hold(
@@ -285,6 +288,7 @@ def start_hold(
     proc: str = "/proc",
     path_of: Callable[[PermEvent], str] = lambda event: event_path(event),
     threaded: bool = True,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[Responder | None, list[str], list[str]]:
     """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
 
@@ -324,6 +328,7 @@ def start_hold(
         on_report=on_report,
         proc=proc,
         path_of=path_of,
+        clock=clock,
     )
     if threaded:
         responder.start()

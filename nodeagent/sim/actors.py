@@ -28,9 +28,10 @@ then 10 s, 20 s, 40 s ... capped at 300 s, reset after 10 minutes of running.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,6 +155,11 @@ class Container:
     run_id: int = 0  # which start of the container a probe belongs to
     # The pod's other containers: kubelet starts them once this pod's init container is done.
     pod_mates: list[Container] = field(default_factory=list)
+    # What the runtime makes of each start: a new overlay root reachable at ``rootfs``
+    # (host-relative; the driver container's is bind-mounted at /run/nvidia/driver) and
+    # the entrypoint's process, as /proc shows it.
+    rootfs: str | None = None
+    cmdline: tuple[str, ...] = ()
 
     def start(self, delay: float = 0.0) -> Container:
         self.actor = self.node.sched.spawn(self.name, self._main, delay)
@@ -183,7 +189,8 @@ class Container:
                         f"{self.name}-probe", functools.partial(self._probe, self.run_id)
                     )
                 try:
-                    self.body(self)
+                    with self._runtime():
+                        self.body(self)
                     code = 0
                 except ContainerExit as exc:
                     code = exc.code
@@ -201,6 +208,24 @@ class Container:
         except Terminated:
             self.state = "terminated"
             self.say(f"{self.name} terminated")
+
+    @contextlib.contextmanager
+    def _runtime(self) -> Iterator[None]:
+        """One start as the container runtime makes it: its root, its process."""
+        k = self.node.kernel
+        if self.rootfs is not None:
+            k.mount_overlay(self.rootfs)
+        pid = None
+        if self.cmdline:
+            comm = self.cmdline[1 if len(self.cmdline) > 1 else 0].rsplit("/", 1)[-1][:15]
+            pid = k.spawn_proc(comm, self.cmdline, self.rootfs or "", self.name)
+        try:
+            yield
+        finally:
+            if pid is not None:
+                k.exit_proc(pid)
+            if self.rootfs is not None:
+                k.unmount(self.rootfs)
 
     def _probe(self, run: int) -> None:
         """kubelet's probes for one start of the container; a failure kills that start."""
@@ -456,6 +481,10 @@ def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-c
         "GPU driver",
         lambda c: _gpu_body(node, spec, c),
         init=lambda c: _driver_manager(node, spec, c),
+        # The runtime's overlay for each start, bind-mounted at /run/nvidia/driver by the
+        # script itself; its entrypoint as shipped (command nvidia-driver, args init).
+        rootfs="run/nvidia/driver",
+        cmdline=("/bin/bash", "/usr/local/bin/nvidia-driver", "init"),
     )
 
 

@@ -185,6 +185,13 @@ class Scheduler:
         self._push(self._now + delay, 0, "resume", actor=actor, epoch=actor.epoch)
         return actor
 
+    def wake(self, actor: Actor) -> None:
+        """Resume ``actor`` now from the ``sleep`` it is in (what it waited on happened)."""
+        if actor.done:
+            return
+        actor.epoch += 1
+        self._push(self._now, 0, "resume", actor=actor, epoch=actor.epoch)
+
     def current_actor(self) -> Actor | None:
         return self._actors.get(threading.get_ident())
 

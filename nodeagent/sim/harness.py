@@ -14,7 +14,13 @@ step changed the node and waits until every poke and uevent has been drained
 and the pass after the drain has finished, every plan it submitted has run
 (``stepped_plans``: right after the pass, still holding the world lock) and a
 later pass has absorbed the outcomes (or the agent is blocked inside a
-simulated module operation that takes virtual time). Each pass holds the
+simulated module operation that takes virtual time). In a mode with the hold,
+the agent's shipped responder and container scanner run against the simulated
+kernel's fanotify contract (``sim/fanotify.py``), stepped here rather than in
+threads: the responder takes its events and wake-ups in every settle (and at
+each held open's budget), the scanner scans one ``hold_scan_seconds`` after
+each process starts (a scan between finds nothing new), and what either
+reports is recorded by a pass the settle waits for. Each pass holds the
 scheduler's ``world`` lock, so a pass started by a late inotify event never
 sees half a step: it sees a state the deterministic pass saw, decides the same,
 and adds nothing to the record. A guard's ``wake_at`` becomes a scheduler event.
@@ -31,6 +37,7 @@ from typing import Any
 from nodeagent.agent import Agent, PassResult, build_reconciler
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.host.hold import HoldHost
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import WakePipe
 from nodeagent.sim.netlink import SimSriovOps
@@ -49,7 +56,11 @@ def agent_config(node: Node) -> Config:
         host_root=str(node.root),
         mode="enforce",
         uevents=False,
-        policies={"peermem": PeermemPolicy(mofed=node.mode.agent_mofed)},
+        policies={
+            "peermem": PeermemPolicy(
+                mofed=node.mode.agent_mofed, hold_loads="fanotify" if node.mode.hold else "off"
+            )
+        },
     )
 
 
@@ -73,8 +84,20 @@ class SimAgent:
         self._notify = on_pass
         self._timers: set[float] = set()
         self._pass_t = node.sched.now()
+        k = node.kernel
+        hold_host = HoldHost(
+            group=k.fanotify_group,
+            proc=str(k.proc_dir),
+            host_pids=lambda: True,
+            path_of=k.event_path,
+            dev_of=k.superblock_at,
+            fs_type=k.fs_type_at,
+            threaded=False,
+            clock=node.sched.now,
+        )
         self.agent = Agent(
             cfg,
+            hold_host=hold_host,
             module_ops=node.kernel,
             kernel_log=node.kernel.kernel_messages,
             wake_sources=[node.kernel.uevent_source, fence],
@@ -139,6 +162,8 @@ class AgentHarness:
             src.on_drain = self._drained
         self._seen = node.world_version()
         self.thread = threading.Thread(target=self.agent.run, name="nodeagent", daemon=True)
+        self._budget_due: set[float] = set()
+        node.kernel.proc_hooks.append(self._process_started)
 
     def _drained(self, _n: int) -> None:
         with self._cv:
@@ -154,6 +179,41 @@ class AgentHarness:
         if not self.agent.wait_for_passes(1, SETTLE_TIMEOUT_S):
             raise SimError("the agent did not finish its first pass")
         self._seen = self.node.world_version()
+
+    def _process_started(self, _proc: object) -> None:
+        scanner = self.agent.agent.hold_containers
+        if scanner is not None:  # the next poll after the start is the one that sees it
+            self.node.sched.call_later(scanner.interval_s, self._scan)
+
+    def _scan(self) -> None:
+        scanner = self.agent.agent.hold_containers
+        if scanner is None:
+            return
+        before = scanner.reported
+        scanner.scan()
+        if scanner.reported != before:
+            self.fence.push("container root")
+
+    def _step_hold(self) -> bool:
+        """The responder's round: events read and answered, held opens let go; whether it
+        did anything."""
+        hold = self.agent.agent.hold
+        if hold is None:
+            return False
+        before, unread = hold.reported, self._hold_unread()
+        hold.step()
+        if hold.reported != before:
+            self.fence.push("held open ended")
+        now = self.node.sched.now()
+        for _pid, _opener, _path, held_s in hold.held():
+            due = round(now - held_s + hold.budget_s, 6)
+            if due not in self._budget_due:  # wake the responder when that budget ends
+                self._budget_due.add(due)
+                self.node.sched.call_at(due, lambda: None)
+        return bool(unread) or hold.reported != before
+
+    def _hold_unread(self) -> int:
+        return sum(g.unread for g in self.node.kernel.fanotify_groups)
 
     def _quiet(self) -> bool:
         if self.agent.sim_errors:
@@ -173,7 +233,13 @@ class AgentHarness:
             self.fence.push("simulation step")
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         with self._cv:
-            while not self._quiet():
+            while True:
+                if self._quiet():
+                    # The responder answers between whole passes only (never while the agent
+                    # is inside a module operation), so when it answers is deterministic.
+                    if self.node.sched.foreign_blocked or not self._step_hold():
+                        break
+                    continue
                 if time.monotonic() > deadline or not self.thread.is_alive():
                     raise SimError("the agent did not settle (thread dead or stuck)")
                 self._cv.wait(0.002)

@@ -18,6 +18,16 @@ version of symbol X`` + ``Unknown symbol X (err -22)``/``EINVAL``. Those lines
 go to a simulated kernel log, which ``kernel_messages`` reads back like
 ``/dev/kmsg``.
 
+Processes and filesystems, for the fanotify hold (``sim/fanotify.py``): every
+``modprobe`` an actor runs is a process (``comm`` modprobe) that opens each
+module file through the permission contract before it inserts it, as libkmod
+does; a container runtime mounts a new overlay superblock for each start of a
+container (``mount_overlay``). The process table is written where the agent's
+``/proc`` reader looks (``proc_dir``) only once a fanotify group exists, so a
+run without the hold sees no change at all. The agent's own loads (a thread,
+not an actor) are not put through the contract: the shipped responder allows
+its own pid first, which the real-kernel tests check.
+
 Module add/remove and VF net/pci changes emit uevents: kept in ``uevents`` and
 pushed to ``uevent_source``, a pipe with ``fileno()``/``drain()`` that the
 agent takes as a wake source. Module init and exit take a little virtual time
@@ -43,6 +53,7 @@ from nodeagent.core.names import (
     validate_module_param,
 )
 from nodeagent.host.events import Poke
+from nodeagent.host.fanotify import PermEvent
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.host.moddep import find_module, module_dependencies
 from nodeagent.host.modfile import (
@@ -53,6 +64,7 @@ from nodeagent.host.modfile import (
     read_module_file,
 )
 from nodeagent.sim.clock import Scheduler
+from nodeagent.sim.fanotify import SimFanotify
 
 __all__ = [
     "LINK_FIELDS",
@@ -124,6 +136,20 @@ class WakePipe(Poke):
     @property
     def pending(self) -> int:
         return self.produced - self.consumed
+
+
+HOST_SB = 1  # the host's root filesystem
+EXT4_SUPER_MAGIC = 0xEF53
+OVERLAYFS_SUPER_MAGIC = 0x794C7630
+
+
+@dataclass
+class SimProc:
+    pid: int
+    comm: str
+    cmdline: tuple[str, ...]
+    root: str  # host-relative directory its root is ("" : the host's)
+    who: str  # the container (or actor) it belongs to, for timelines
 
 
 @dataclass
@@ -235,6 +261,15 @@ class SimKernel:
         # nvidia's /proc/driver/nvidia/version; written at live, removed at going.
         self.proc_files: dict[str, tuple[str, str]] = {}
         self._on_going: dict[str, list[Callable[[], None]]] = {}
+        # Filesystems (mount prefix, host-relative -> superblock), processes, fanotify groups.
+        self.superblocks: dict[str, int] = {"": HOST_SB}
+        self._sb_ids = itertools.count(HOST_SB + 1)
+        self.fanotify_groups: list[SimFanotify] = []
+        self.procs: dict[int, SimProc] = {1: SimProc(1, "systemd", ("/sbin/init",), "", "host")}
+        self.proc_history: dict[int, SimProc] = {}
+        self.proc_dir = self.root / ".sim-proc"  # the agent's /proc for the hold
+        self.proc_hooks: list[Callable[[SimProc], None]] = []  # a process started
+        self._pids = itertools.count(1000)
         self._setup_tree()
 
     # -- files ----------------------------------------------------------------
@@ -292,6 +327,100 @@ class SimKernel:
             except ValueError:
                 return self.root / p.relative_to("/")
         return self.root / p
+
+    # -- filesystems and processes (the fanotify hold) ---------------------------
+
+    def fanotify_group(self) -> SimFanotify:
+        """``fanotify_init``: a new permission group; the process table becomes visible."""
+        group = SimFanotify(self)
+        self.fanotify_groups.append(group)
+        for proc in self.procs.values():
+            self._write_proc(proc)
+        return group
+
+    def event_path(self, event: PermEvent) -> str:
+        """The opened file's path, as ``/proc/self/fd/<fd>`` would give it."""
+        for g in self.fanotify_groups:
+            path = g.path_of(event)
+            if path != "?":
+                return path
+        return "?"
+
+    def mount_overlay(self, rel: str) -> int:
+        """A container runtime's overlay for one start, reachable at ``rel``: a new
+        superblock (the previous one there, if any, is gone with its marks)."""
+        self.unmount(rel)
+        sb = next(self._sb_ids)
+        self.superblocks[rel.strip("/")] = sb
+        return sb
+
+    def unmount(self, rel: str) -> None:
+        sb = self.superblocks.pop(rel.strip("/"), None)
+        if sb is not None:
+            for g in self.fanotify_groups:
+                g.drop_superblock(sb)
+
+    def superblock_of(self, path: str | os.PathLike[str]) -> int:
+        """The superblock a path (host-relative, or absolute under the root) is on."""
+        rel = self.node_path(self.real_path(path)).strip("/")
+        best, sb = -1, HOST_SB
+        for prefix, s in self.superblocks.items():
+            if (prefix == "" or rel == prefix or rel.startswith(prefix + "/")) and len(
+                prefix
+            ) > best:
+                best, sb = len(prefix), s
+        return sb
+
+    def superblock_at(self, path: str) -> int | None:
+        """What ``stat`` would say of ``path``: ``<proc_dir>/<pid>/root`` is that process's
+        root; None where nothing is."""
+        p = Path(path)
+        if p.parent.parent == self.proc_dir and p.name == "root":
+            proc = self.procs.get(int(p.parent.name)) if p.parent.name.isdigit() else None
+            return None if proc is None else self.superblock_of(proc.root)
+        return self.superblock_of(path) if self.real_path(path).exists() else None
+
+    def fs_type_at(self, path: str) -> int | None:
+        sb = self.superblock_at(path)
+        if sb is None:
+            return None
+        return EXT4_SUPER_MAGIC if sb == HOST_SB else OVERLAYFS_SUPER_MAGIC
+
+    def spawn_proc(self, comm: str, cmdline: Sequence[str], root: str = "", who: str = "") -> int:
+        pid = next(self._pids)
+        while pid == os.getpid():  # the agent's own pid is the responder's first rule
+            pid = next(self._pids)
+        proc = SimProc(pid, comm, tuple(cmdline), root.strip("/"), who or comm)
+        self.procs[pid] = proc
+        self.proc_history[pid] = proc
+        if self.fanotify_groups:
+            self._write_proc(proc)
+        for hook in list(self.proc_hooks):
+            hook(proc)
+        return pid
+
+    def exit_proc(self, pid: int) -> None:
+        if self.procs.pop(pid, None) is not None:
+            shutil.rmtree(self.proc_dir / str(pid), ignore_errors=True)
+
+    def _write_proc(self, proc: SimProc) -> None:
+        d = self.proc_dir / str(proc.pid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "comm").write_text(proc.comm + "\n")
+        (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in proc.cmdline))
+
+    def _open_for_load(self, path: Path, pid: int) -> None:
+        """An opener's ``open()`` of a module file: one event per group marking its
+        filesystem, and a wait (virtual time) until each answers; denied -> EPERM."""
+        sb = self.superblock_of(path)
+        actor = self.sched.current_actor()
+        for group in [g for g in self.fanotify_groups if sb in g.marks]:
+            pending = group.deliver(self.node_path(path), pid, actor)
+            while pending.answer is None and not group.closed:
+                self.sched.sleep(float("inf"))
+            if pending.answer is False:
+                name = module_name_from_path(path)
+                raise ModuleOpError("load", name, errno.EPERM, f"open {self.node_path(path)}")
 
     # -- logs and events ------------------------------------------------------
 
@@ -518,7 +647,29 @@ class SimKernel:
             where = self.node_path(real_dir)
             raise ModuleOpError("probe", name, errno.ENOENT, f"module {name} not found in {where}")
         rules = self.install_rules() if install_rules else {}
-        loaded = []
+        loaded: list[str] = []
+        # An actor's modprobe is a process whose opens go through the permission contract.
+        actor = self.sched.current_actor()
+        pid = (
+            self.spawn_proc("modprobe", ("modprobe", name), who=actor.name)
+            if actor is not None and self.fanotify_groups
+            else None
+        )
+        try:
+            return self._modprobe(name, real_dir, params, rules, loaded, pid)
+        finally:
+            if pid is not None:
+                self.exit_proc(pid)
+
+    def _modprobe(
+        self,
+        name: str,
+        real_dir: Path,
+        params: Sequence[str],
+        rules: dict[str, str],
+        loaded: list[str],
+        pid: int | None,
+    ) -> list[str]:
         for dep in [*reversed(module_dependencies(real_dir, name)), name]:
             if dep in self.modules:
                 continue
@@ -539,6 +690,10 @@ class SimKernel:
                     "probe", name, errno.ENOENT, f"module {dep} not found in modules.dep"
                 )
             try:
+                if pid is not None:
+                    self._open_for_load(Path(dep_path), pid)
+                    if dep in self.modules:  # loaded while the open waited: EEXIST, which
+                        continue  # kmod takes as success
                 self.insert_file(str(dep_path), params if dep == name else ())
             except ModuleOpError as exc:
                 if exc.errno == errno.EEXIST:

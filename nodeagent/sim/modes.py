@@ -10,7 +10,7 @@ exists, exactly as no shipped one does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 __all__ = ["DEFAULT_MODE", "MODES", "DeploymentMode"]
@@ -30,6 +30,10 @@ class DeploymentMode:
     manager_waits_for: MofedWait
     loaders: tuple[str, ...]  # who loads nvidia_peermem in this mode
     not_prevented: str  # why nodeagent cannot stop the loaders' failures here
+    # nodeagent deployed with deploy/components/peermem-hold ([peermem] hold_loads =
+    # "fanotify"): the loaders' opens wait for the gate. The operator containers are the
+    # same; only the agent's deployment differs.
+    hold: bool = False
 
     @property
     def agent_mofed(self) -> Literal["container", "host"]:
@@ -104,5 +108,32 @@ MODES: dict[str, DeploymentMode] = {
         ),
     )
 }
+
+_HOLD_SETTING = (
+    'nodeagent with deploy/components/peermem-hold: [peermem] hold_loads = "fanotify" '
+    "(hostPID, CAP_SYS_ADMIN, CAP_SYS_PTRACE)"
+)
+_HOLD_LEFT = (
+    "the hold makes the operator's loads wait for the gate, never fail: a load it lets "
+    "through (the gate open, or its budget spent) can still be refused by the kernel"
+)
+
+
+def _with_hold(mode: DeploymentMode) -> DeploymentMode:
+    return replace(
+        mode,
+        name=f"{mode.name}-hold",
+        title=f"{mode.title}; nodeagent holds their loads (fanotify)",
+        settings=(*mode.settings, _HOLD_SETTING),
+        not_prevented=_HOLD_LEFT,
+        hold=True,
+    )
+
+
+# The hold with the MOFED container (Network Operator), where the seeds happened. Not
+# host-mofed: no scenario here has MOFED on the host, and there the gate compares the
+# loaded stack with the host's tree, which these scenarios leave stale.
+for _name in ("operator-peermem", "operator-peermem-dm09"):
+    MODES[f"{_name}-hold"] = _with_hold(MODES[_name])
 
 DEFAULT_MODE = "operator-peermem"

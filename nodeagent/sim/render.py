@@ -175,6 +175,8 @@ def render_verdicts(scenario: Scenario, results: Sequence[RunResult]) -> list[st
     for mode in modes.values():
         lines.append(f"deployment mode {mode.name}: {mode.title} ({'; '.join(mode.settings)})")
     for r in results:
+        for held in r.verdict.held_opens or ():
+            lines.append(f"with nodeagent, held: {held}")
         for label in r.verdict.not_prevented:
             lines.append(f"with nodeagent, {label}")
     return ["", *lines, ""]
@@ -227,6 +229,7 @@ def to_json(results: Sequence[RunResult], *, seed: int, speed: float | None) -> 
                 "settings": list(m.settings),
                 "peermem_loaders": list(m.loaders),
                 "not_prevented": m.not_prevented,
+                **({"nodeagent_hold": "fanotify"} if m.hold else {}),
             }
             for m in modes.values()
         },

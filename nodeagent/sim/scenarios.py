@@ -453,9 +453,16 @@ class Verdict:
     # With the agent: the failures it did not prevent, each saying why (the mode, a
     # missing guard). Empty without the agent.
     not_prevented: tuple[str, ...] = ()
+    # With the hold (a "-hold" mode): each open it held, whose, how long, how it ended.
+    # None in the other modes (and left out of their JSON: those outputs are unchanged).
+    held_opens: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        return {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in self.__dict__.items()
+            if not (k == "held_opens" and v is None)
+        }
 
 
 @dataclass(frozen=True)
@@ -607,6 +614,20 @@ def _agent_events(node: Node, records: list[dict[str, Any]]) -> list[SimEvent]:
             if last.get(guard) != verdict:
                 last[guard] = verdict
                 out.append(gate_line(t, rec))
+        elif kind == "held-open":
+            out.append(
+                SimEvent(
+                    t,
+                    "agent",
+                    f"let {_opener(node, rec.get('pid'))} open "
+                    f"{str(rec.get('path')).rsplit('/', 1)[-1]} after {rec.get('seconds')} s "
+                    f"held: {rec.get('ended')}",
+                )
+            )
+        elif kind == "hold-root-marked":
+            proc = node.kernel.proc_history.get(rec.get("pid"))  # type: ignore[arg-type]
+            whose = proc.who if proc is not None else f"pid {rec.get('pid')}"
+            out.append(SimEvent(t, "agent", f"marked {whose}'s root (its overlay for this start)"))
         elif kind == "action":
             if rec.get("ok"):
                 out.append(SimEvent(t, "agent", f"{rec.get('action')}: ok"))
@@ -673,8 +694,16 @@ def run_scenario(
                 events += _agent_events(node, records)
             events.sort(key=lambda e: e.t)  # stable: same-time lines keep their order
             verdict = _verdict(node, watcher.cast, watcher, missing)
+            if harness is not None and deployment.hold:
+                hold = harness.agent.agent.hold
+                still = hold.held() if hold is not None else []
+                verdict = replace(verdict, held_opens=_held_opens(node, records, still))
             if agent:
-                verdict = replace(verdict, not_prevented=_not_prevented(verdict, deployment))
+                sidecar = watcher.cast.sidecar
+                probe_kills = sum(code == 137 for _t, code in sidecar.exits) if sidecar else 0
+                verdict = replace(
+                    verdict, not_prevented=_not_prevented(verdict, deployment, probe_kills)
+                )
             kmsg = tuple((round(line.t, 3), line.text) for line in node.kernel.kmsg if line.t >= 0)
             ops = tuple((round(t, 3), who, what) for t, who, what in node.kernel.op_log if t >= 0)
         finally:
@@ -750,7 +779,30 @@ def _verdict(node: Node, cast: Cast, watcher: _Watcher, missing: tuple[str, ...]
     )
 
 
-def _not_prevented(v: Verdict, mode: DeploymentMode) -> tuple[str, ...]:
+def _opener(node: Node, pid: object) -> str:
+    proc = node.kernel.proc_history.get(pid) if isinstance(pid, int) else None
+    return f"{proc.who}'s {proc.comm}" if proc is not None else f"pid {pid}"
+
+
+def _held_opens(
+    node: Node, records: list[dict[str, Any]], still: list[tuple[int, str, str, float]]
+) -> tuple[str, ...]:
+    """The hold's ``held-open`` records, in words (whose open, of what, how long, why it
+    ended), then the opens still held when the run ends."""
+    ended = [
+        f"{_opener(node, r.get('pid'))} held {r.get('seconds')} s opening "
+        f"{r.get('path')}: {r.get('ended')}"
+        for r in records
+        if r.get("kind") == "held-open"
+    ]
+    held = [
+        f"{_opener(node, pid)} still held at the end, {seconds:.1f} s, opening {path}"
+        for pid, _opener_name, path, seconds in still
+    ]
+    return (*ended, *held)
+
+
+def _not_prevented(v: Verdict, mode: DeploymentMode, probe_kills: int = 0) -> tuple[str, ...]:
     """The failures of a run with the agent, each labelled with why the agent let it be."""
     out = []
     for who, n in v.peermem_failed_by.items():
@@ -760,7 +812,16 @@ def _not_prevented(v: Verdict, mode: DeploymentMode) -> tuple[str, ...]:
             else f"not prevented in mode {mode.name}: {mode.not_prevented}"
         )
         out.append(f"{n} failed nvidia_peermem load(s) by {who}: {why}")
-    if v.driver_restarts or v.sidecar_restarts:
+    if mode.hold and v.sidecar_restarts and probe_kills == v.sidecar_restarts:
+        out.append(
+            f"nvidia-peermem-ctr restarts ({v.sidecar_restarts}): each by its own probe, "
+            "which fails whenever mlx5_core is loaded and nvidia_peermem is not (here while "
+            "the held load waits for MOFED's ready flag); no load failed: not prevented in "
+            f"mode {mode.name}"
+        )
+    if v.driver_restarts or (
+        v.sidecar_restarts and not (mode.hold and probe_kills == v.sidecar_restarts)
+    ):
         out.append(
             f"GPU driver pod restarts (nvidia-driver-ctr {v.driver_restarts}, "
             f"nvidia-peermem-ctr {v.sidecar_restarts}): not prevented in mode {mode.name}"
