@@ -316,8 +316,16 @@ class Agent:
             for p in problems:
                 log.error(p)
             published = [g for g, ok in gates_open.items() if ok and not problems]
-        # The hold follows the published gate: a held load goes on only when `wait` would.
-        self._set_hold_gate("peermem" in published)
+        # The hold follows the published gate: a held load goes on only when `wait` would,
+        # or when the guard says no wait can help (a load the kernel refuses either way).
+        peermem = rec.verdicts.get("peermem")
+        release = (
+            peermem is not None
+            and bool(peermem.evidence.get("release_held"))
+            and self._can_vouch
+            and fresh()
+        )
+        self._set_hold_gate("peermem" in published or release)
         self._record_holds()
         with self._pass_done:
             self.passes += 1

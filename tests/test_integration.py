@@ -174,17 +174,18 @@ def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
         node.write(READY)
         eventually(
             lambda: (
-                json.loads((node.root / "run/nodeagent/status.json").read_text())["guards"][
+                "MOFED ready flag run/mellanox/drivers/.driver-ready is absent"
+                not in json.loads((node.root / "run/nodeagent/status.json").read_text())["guards"][
                     "peermem"
                 ]["reasons"]
-                != ["MOFED ready flag run/mellanox/drivers/.driver-ready is absent"]
             ),
             "a pass after the flag",
         )
         agent.settle()
         status = json.loads((node.root / "run/nodeagent/status.json").read_text())
         reasons = status["guards"]["peermem"]["reasons"]
-        assert status["guards"]["peermem"]["verdict"] == "closed"
+        assert status["guards"]["peermem"]["verdict"] == "rebuild", reasons  # gpu-operator#2868
+        assert "recreate the GPU driver pod" in reasons[0]
         assert any(
             r.startswith("nvidia_peermem needs ib_register_peer_memory_client CRC 0x")
             and "but the loaded ib_core exports 0x" in r

@@ -178,12 +178,40 @@ def test_abi_preflight_crc_mismatch_closes_with_the_2868_reason() -> None:
         snap.disk["ib_core"], exported_crcs=MappingProxyType(dict.fromkeys(PEER_SYMS, CRC_OTHER))
     )
     d = decide(with_disk(snap, ib_core=ib))
-    assert d.verdict.verdict == "closed"
+    # MOFED is ready and final: no wait helps. The verdict says what to do, first.
+    assert d.verdict.verdict == "rebuild" and not d.verdict.ok
+    first = d.verdict.reasons[0]
+    assert first.startswith("nvidia-peermem.ko (") and "built against another ib_core" in first
+    assert "recreate the GPU driver pod" in first and "gpu-operator#2868" in first
     assert (
         "nvidia_peermem needs ib_register_peer_memory_client CRC 0x368a11cb "
         "but the loaded ib_core exports 0x8d5feb7b"
     ) in d.verdict.reasons
+    assert d.verdict.evidence["release_held"] is True  # a held load may go: it fails anyway
+    assert d.verdict.evidence["abi"]["mismatched"]
     assert d.actions == ()
+    samples = {s.family: s.value for s in GATE.metric_samples(d.verdict, ()) if not s.labels}
+    assert samples["nodeagent_peermem_rebuild_needed"] == 1.0
+
+
+def test_a_crc_mismatch_while_mofed_is_not_ready_is_only_closed() -> None:
+    """Mid-restart the loaded ib_core is not MOFED's last word: keep holding, no rebuild."""
+    snap = healthy()
+    ib = replace(
+        snap.disk["ib_core"], exported_crcs=MappingProxyType(dict.fromkeys(PEER_SYMS, CRC_OTHER))
+    )
+    d = decide(with_files(with_disk(snap, ib_core=ib), flag(False)))
+    assert d.verdict.verdict == "closed"
+    assert d.verdict.evidence["release_held"] is False
+    samples = {s.family: s.value for s in GATE.metric_samples(d.verdict, ()) if not s.labels}
+    assert samples["nodeagent_peermem_rebuild_needed"] == 0.0
+
+
+def test_an_unreadable_peermem_file_is_closed_not_rebuild() -> None:
+    snap = healthy()
+    pm = replace(snap.disk[PEERMEM], problem="truncated ELF")
+    d = decide(with_disk(snap, nvidia_peermem=pm))
+    assert d.verdict.verdict == "closed" and d.verdict.evidence["release_held"] is False
 
 
 def test_abi_preflight_unverifiable_provider_is_evidence_not_a_reason() -> None:

@@ -59,7 +59,7 @@ def abi_mismatches(
     possible. The kernel refuses a consumer whose CRC for a symbol differs
     from the provider's ("disagrees about version of symbol", EINVAL).
     """
-    evidence: dict[str, Any] = {"checked": [], "unverifiable": []}
+    evidence: dict[str, Any] = {"checked": [], "unverifiable": [], "mismatched": []}
     reasons: list[str] = []
     if consumer.path is None or consumer.problem:
         # A file that cannot be read is not "unverifiable": the gate cannot vouch for it.
@@ -92,6 +92,7 @@ def abi_mismatches(
                 continue
             evidence["checked"].append(symbol)
             if have != need:
+                evidence["mismatched"].append(symbol)
                 reasons.append(
                     f"{consumer.name} needs {symbol} CRC {need:#010x} "
                     f"but the loaded {provider_name} exports {have:#010x}"

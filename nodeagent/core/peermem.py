@@ -179,7 +179,9 @@ PEERMEM_CONDITIONS: tuple[str, ...] = (
 class PeermemGate:
     name = "peermem"
     gate = True
-    verdict_words: tuple[str, ...] = ("open", "closed")
+    # "rebuild": MOFED is ready and final, but nvidia-peermem.ko was built against another
+    # ib_core (gpu-operator#2868): no wait helps, the driver pod must rebuild it.
+    verdict_words: tuple[str, ...] = ("open", "closed", "rebuild")
     metric_families: tuple[MetricFamily, ...] = (
         MetricFamily(
             "nodeagent_peermem_condition_holding",
@@ -192,6 +194,12 @@ class PeermemGate:
             "gauge",
             "1 while MOFED says its stack is final (container: fresh ready flag, no blacklist; "
             "host: the RDMA stack loaded and live)",
+        ),
+        MetricFamily(
+            "nodeagent_peermem_rebuild_needed",
+            "gauge",
+            "1 while MOFED is ready but nvidia-peermem.ko was built against another ib_core "
+            "(symbol CRCs differ): recreate the GPU driver pod to rebuild it",
         ),
         MetricFamily(
             "nodeagent_peermem_load_failures",
@@ -237,6 +245,9 @@ class PeermemGate:
             for c in PEERMEM_CONDITIONS
         ]
         out.append(Sample("nodeagent_peermem_mofed_ready", {}, float(bool(ev.get("mofed_ready")))))
+        out.append(
+            Sample("nodeagent_peermem_rebuild_needed", {}, float(verdict.verdict == "rebuild"))
+        )
         failures = (ev.get("peermem") or {}).get("failures", 0)
         out.append(Sample("nodeagent_peermem_load_failures", {}, float(failures)))
         gpudirect = ev.get("gpudirect") or {}
@@ -411,6 +422,20 @@ class PeermemGate:
         evidence["abi"] = abi_ev
         for r in abi_reasons:
             fail("abi_crcs_match", r)
+        # Everything else final and the CRCs disagree: waiting cannot help (gpu-operator
+        # #2868). Say what to do, and let a held load go: the kernel refuses it, as before.
+        rebuild = holding == ["abi_crcs_match"] and bool(abi_ev.get("mismatched"))
+        if rebuild:
+            reasons.insert(
+                0,
+                f"nvidia-peermem.ko ({peermem_disk.path}) was built against another ib_core "
+                f"than the one MOFED has loaded ({len(abi_ev['mismatched'])} symbol CRCs "
+                "differ), so the kernel refuses it with 'Invalid argument' however long it "
+                "waits: recreate the GPU driver pod on this node (kubectl delete pod of the "
+                "nvidia-driver-daemonset here) so it rebuilds nvidia-peermem against the MOFED "
+                "now loaded (gpu-operator#2868)",
+            )
+        evidence["release_held"] = rebuild
         evidence["holding"] = holding
         evidence["mofed_ready"] = self.mofed_ready(snap, memory)
 
@@ -428,7 +453,7 @@ class PeermemGate:
 
         verdict = Verdict(
             guard=self.name,
-            verdict="closed" if reasons else "open",
+            verdict="rebuild" if rebuild else "closed" if reasons else "open",
             ok=not reasons,
             reasons=tuple(reasons),
             evidence=evidence,

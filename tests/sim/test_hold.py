@@ -228,3 +228,68 @@ def test_without_the_hold_the_outputs_carry_no_hold_fields() -> None:
     doc = to_json([held], seed=1, speed=None)
     assert doc["deployment_modes"]["operator-peermem-dm09-hold"]["nodeagent_hold"] == "fanotify"
     assert json.dumps(doc)  # serialisable
+
+
+def test_a_stale_peermem_build_is_let_go_and_named_not_held_for_the_budget(
+    tmp_path: Path,
+) -> None:
+    """gpu-operator#2868 with the hold: MOFED ready, nvidia-peermem.ko built against other
+    ib_core CRCs. No wait helps: the driver container's held load goes at once and fails as
+    before; the verdict says to recreate the pod."""
+    from nodeagent.sim.actors import Container
+    from nodeagent.sim.harness import AgentHarness
+    from nodeagent.sim.modtree import GPU_MODULES
+    from nodeagent.sim.node import READY, Node
+    from nodeagent.sim.scenarios import MOFED_2507, NVIDIA
+
+    node = Node(tmp_path, KVER, seed=0, mode=MODES["operator-peermem-hold"])
+    node.kernel.init_delay = node.kernel.exit_delay = 0.0  # the scene: modules at rest
+    with node.sched.world:
+        node.install(MOFED_2507, RDMA_MODULES, "mofed")
+        node.write_headers(MOFED_2507, RDMA_MODULES)
+        stale = {s: c ^ 0xFFFF for s, c in (node.headers() or {}).items()}
+        node.install(NVIDIA, GPU_MODULES, "gpu", against=stale)
+        for m in ("mlx5_core", "mlx5_ib", "ib_uverbs"):
+            node.kernel.modprobe(m, node.mofed_moddir)
+        node.kernel.modprobe("nvidia", node.gpu_moddir)
+        node.write(READY)
+    harness = AgentHarness(node)
+    harness.start()
+    node.sched.settle = harness.settle
+    out: dict[str, object] = {}
+
+    def body(c: Container) -> None:
+        node.sleep(5.0)  # the container's install before its load
+        try:
+            node.kernel.modprobe("nvidia_peermem", node.gpu_moddir)
+            out["rc"] = 0
+        except ModuleOpError as exc:
+            out["rc"] = exc.errno
+        out["at"] = node.now()
+        node.sleep(float("inf"))
+
+    driver = Container(
+        node,
+        "nvidia-driver-ctr",
+        "GPU driver",
+        body,
+        rootfs="run/nvidia/driver",
+        cmdline=("/bin/bash", "/usr/local/bin/nvidia-driver", "init"),
+    )
+    try:
+        driver.start()
+        node.sched.run(60.0)
+        status = json.loads((node.root / "run/nodeagent/status.json").read_text())
+        peermem = status["guards"]["peermem"]
+        assert peermem["verdict"] == "rebuild", peermem["reasons"]
+        assert "recreate the GPU driver pod" in peermem["reasons"][0]
+        assert status["hold"]["container_roots"], "the driver container's root was not marked"
+        assert out["rc"] == errno.EINVAL  # the kernel refuses it, as without the hold
+        assert isinstance(out["at"], float) and out["at"] < 10.0  # not held for the budget
+        assert status["hold"]["held"] == []
+    finally:
+        node.closed = True
+        harness.stop()
+        node.sched.close()
+        harness.join()
+        node.kernel.uevent_source.close()
