@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,7 +38,7 @@ from nodeagent.host.containers import RootScanner
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, readable
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.gatefile import GateFiles
+from nodeagent.host.gatefile import LEASE_S, RENEW_S, GateFiles
 from nodeagent.host.hold import HoldHost, Responder, start_hold
 from nodeagent.host.kmod import ModuleOps, default_module_ops
 from nodeagent.host.netlink import PyrouteOps, SriovOps
@@ -193,6 +193,11 @@ class Agent:
         self.hold_host = hold_host or HoldHost(group=FanotifyGroup)
         self.hold_since: float | None = None
         self._hold_gate_open = False  # what the responder reads: never a file, never a lock
+        # The gates the last pass published, renewed by the loop until a pass decides again.
+        self._published: list[str] = []
+        self._published_snap: NodeSnapshot | None = None
+        self._published_at: float | None = None
+        self._stuck_gates: dict[str, str] = {}  # gate -> why its file could not be withdrawn
         self._last_signature: Any = None
         self._saved_memory: dict[str, Any] | None = None
         self.passes = 0
@@ -220,8 +225,7 @@ class Agent:
                     self.workers.run_pending()
             except BaseException as exc:
                 # Fail closed: a pass that did not complete vouches for no gate.
-                for p in self.gates.withdraw(self.reconciler.gates):
-                    log.error(p)
+                self._withdraw(self.reconciler.gates)
                 if self.on_pass is not None and isinstance(exc, Exception):
                     self.on_pass(None, exc)
                 raise
@@ -240,8 +244,8 @@ class Agent:
         rec = self.reconciler.decide(snap, memory)
         # Protective first: a closed gate's file goes, and an urgent plan starts, before
         # memory, status, timeline, any other plan or exporter (gatefile.py: the order).
-        self._pass_problems += self.gates.withdraw(
-            g for g in self.reconciler.gates if not rec.verdicts[g].ok
+        self._pass_problems += self._withdraw(
+            [g for g in self.reconciler.gates if not rec.verdicts[g].ok]
         )
         if "peermem" in rec.verdicts and not rec.verdicts["peermem"].ok:
             self._set_hold_gate(False)
@@ -309,13 +313,13 @@ class Agent:
 
         published: list[str] = []
         if not self._can_vouch or not fresh():
-            self.gates.withdraw(self.reconciler.gates)
+            self._withdraw(self.reconciler.gates)
         else:
-            gates_open = {g: rec.verdicts[g].ok for g in self.reconciler.gates}
-            problems = self.gates.publish(gates_open, now, self.cfg.resync_seconds, fresh)
-            for p in problems:
-                log.error(p)
-            published = [g for g, ok in gates_open.items() if ok and not problems]
+            published = self._publish(
+                [g for g in self.reconciler.gates if rec.verdicts[g].ok], fresh
+            )
+        # What the loop renews between passes (gatefile.py: the lease), and against what.
+        self._published, self._published_snap, self._published_at = published, snap, now
         # The hold follows the published gate: a held load goes on only when `wait` would,
         # or when the guard says no wait can help (a load the kernel refuses either way).
         peermem = rec.verdicts.get("peermem")
@@ -338,6 +342,73 @@ class Agent:
             woken_by=tuple(woken_by),
             started=now,
         )
+
+    # -- gate files: publish, renew, withdraw (loudly) -----------------------------
+
+    def _publish(
+        self, gates: Sequence[str], still_fresh: Callable[[], bool] | None = None
+    ) -> list[str]:
+        """Write open gates' leases; the ones published (a failed one is withdrawn)."""
+        fresh = still_fresh or self._still_fresh
+        problems = self.gates.publish(dict.fromkeys(gates, True), self.clock(), fresh)
+        for p in problems:
+            log.error(p)
+        failed = [g for g in gates if any(self.gates.rel(g) in p for p in problems)]
+        if failed:
+            self._withdraw(failed)
+        return [g for g in gates if g not in failed]
+
+    def _still_fresh(self) -> bool:
+        snap = self._published_snap
+        return (
+            snap is not None and not self._event_pending() and self.observer.markers_unchanged(snap)
+        )
+
+    def renew_leases(self) -> None:
+        """The loop's heartbeat between passes: renew the open gates' leases while the last
+        decision still stands (no event since its observation, markers unchanged), retry a
+        withdrawal that failed. A loop that is stuck renews nothing: the leases run out."""
+        if self._stuck_gates:
+            self._withdraw([g for g in self._stuck_gates if g not in self._published])
+        if not self._published:
+            return
+        if not self._can_vouch or not self._still_fresh():
+            self._withdraw(self.reconciler.gates)
+            self._published = []
+            return
+        self._published = self._publish(self._published)
+
+    def _withdraw(self, gates: Iterable[str]) -> list[str]:
+        """Remove gates' files. One that cannot be removed is said loudly (stderr, the journal,
+        a metric, /readyz) and retried on every heartbeat; readers see it closed anyway
+        when its lease runs out."""
+        gates = list(gates)
+        problems: list[str] = []
+        for g in gates:
+            (p,) = self.gates.withdraw([g]) or (None,)
+            if g in self._published and p is None:
+                self._published = [x for x in self._published if x != g]
+            was = self._stuck_gates.get(g)
+            if p is None:
+                if was is not None:
+                    del self._stuck_gates[g]
+                    log.warning("gate %s: its file is withdrawn now", g)
+                    self.record({"kind": "gate-withdrawal", "gate": g, "ok": True})
+                continue
+            problems.append(p)
+            if was != p:
+                self._stuck_gates[g] = p
+                log.error("%s; readers see it closed when its lease ends", p)
+                self.record(
+                    {
+                        "kind": "gate-withdrawal",
+                        "gate": g,
+                        "ok": False,
+                        "problem": f"{p}; readers see it closed within {LEASE_S:g}s "
+                        "(its lease), and the agent retries every second",
+                    }
+                )
+        return problems
 
     def _set_hold_gate(self, is_open: bool) -> None:
         if self.hold is not None and is_open != self._hold_gate_open:
@@ -613,8 +684,8 @@ class Agent:
         try:
             woken_by = ["start"]
             next_resync = self.clock() + self.cfg.resync_seconds
+            wake_at: float | None = None
             while not self.stopping.is_set():
-                wake_at: float | None = None
                 try:
                     wake_at = self.run_pass(woken_by).wake_at
                     watch.refresh()
@@ -625,8 +696,18 @@ class Agent:
                 now = self.clock()
                 if now >= next_resync:
                     next_resync = now + self.cfg.resync_seconds
-                deadline = next_resync if wake_at is None else min(next_resync, wake_at)
-                woken_by = waker.wait(max(0.0, deadline - now))
+                # Between passes the loop beats every RENEW_S while a gate is open or a
+                # withdrawal failed: the lease proves the loop, not a plan or a thread.
+                while True:
+                    deadline = next_resync if wake_at is None else min(next_resync, wake_at)
+                    beat = bool(self._published or self._stuck_gates)
+                    wait = max(0.0, deadline - now)
+                    woken_by = waker.wait(min(wait, RENEW_S) if beat else wait)
+                    now = self.clock()
+                    if woken_by or self.stopping.is_set() or now >= deadline:
+                        break
+                    with self.pass_context():
+                        self.renew_leases()
         finally:
             if self.hold_containers is not None:
                 self.hold_containers.stop()

@@ -284,7 +284,7 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
     if as_json:
         extra = {
             "agent": {"reconciling": alive, "summary": liveness},
-            "gate_files": {g: vars(gates.read(g, now)) for g in gate_names},
+            "gate_files": {g: vars(gates.read(g)) for g in gate_names},
         }
         # The agent's document as written, with what this reader found added.
         doc = {**status, **extra} if isinstance(status, dict) else {"status": status, **extra}
@@ -299,7 +299,7 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
     for guard, v in guards.items():
         verdict = f"{safe(guard)}: {safe(_get(v, 'verdict', str, 'unknown'))} (last pass)"
         if guard in gate_names:
-            verdict += f"; gate file: {safe(gates.read(guard, now).reason)}"
+            verdict += f"; gate file: {safe(gates.read(guard).reason)}"
         print(verdict)
         for reason in _get(v, "reasons", list, []):
             print(f"  - {safe(reason)}")
@@ -329,7 +329,7 @@ def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
     try:
         waker = Waker([poke])
         while True:
-            reading = gates.read(gate, time.time())
+            reading = gates.read(gate)
             if reading.is_open:
                 print(f"{gate} gate is {reading.reason}")
                 return EXIT_OK

@@ -48,6 +48,7 @@ KNOWN_KINDS = (
     "held-open",
     "hold-root-marked",
     "hold-root-gone",
+    "gate-withdrawal",
     "pass-error",
     "state-problem",
 )
@@ -114,6 +115,11 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
         f"the marked root of pid {r.get('pid')} (filesystem {r.get('dev')}) is gone: "
         "its overlay was unmounted"
     ),
+    "gate-withdrawal": lambda r: (
+        f"gate {r.get('gate')}: its file is withdrawn now"
+        if r.get("ok")
+        else f"gate {r.get('gate')}: cannot withdraw its file: {r.get('problem')}"
+    ),
     "pass-error": lambda r: f"pass failed: {r.get('error')}",
     "state-problem": lambda r: f"state problem: {r.get('problem')}",
 }
@@ -135,6 +141,7 @@ PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "action": _action_priority,
     "plan-superseded": lambda r: NOTICE,
     "held-open": lambda r: NOTICE if r.get("ended") == "gate opened" else WARNING,
+    "gate-withdrawal": lambda r: NOTICE if r.get("ok") else ERR,
     "pass-error": lambda r: ERR,
     "state-problem": lambda r: WARNING,
 }

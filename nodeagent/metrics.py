@@ -8,7 +8,8 @@ metrics arrive with the guard.
 
 Liveness (``/healthz``) says only that the loop reconciles: a pass completed
 within ``liveness_seconds`` (counted from start until the first pass).
-Readiness (``/readyz``) says a pass has completed since start. Neither does
+Readiness (``/readyz``) says a pass has completed since start and no gate file
+is stuck (one the agent cannot withdraw; its lease ends it anyway). Neither does
 anything: a probe is never the way to reload or act.
 """
 
@@ -209,6 +210,14 @@ class MetricsExporter:
             ["ended"],
             registry=r,
         )
+        self.gate_stuck = Gauge(
+            "nodeagent_gate_withdrawal_failing",
+            "1 while the agent cannot withdraw this gate's file (it retries every second; "
+            "readers see it closed when its lease ends)",
+            ["gate"],
+            registry=r,
+        )
+        self.stuck: set[str] = set()
         self.container_roots = Gauge(
             "nodeagent_peermem_hold_container_roots",
             "Driver containers' roots marked by the fanotify hold now (found as they start)",
@@ -240,6 +249,13 @@ class MetricsExporter:
         if rec.get("kind") == "held-open":
             ended = str(rec.get("ended")).replace(" ", "_")
             self.held_opens.labels(ended if ended in HOLD_ENDINGS else "other").inc()
+        elif rec.get("kind") == "gate-withdrawal":
+            gate = str(rec.get("gate"))
+            self.gate_stuck.labels(gate).set(0.0 if rec.get("ok") else 1.0)
+            if rec.get("ok"):
+                self.stuck.discard(gate)
+            else:
+                self.stuck.add(gate)
         elif rec.get("kind") == "hold-root-marked":
             self.container_roots.inc()
         elif rec.get("kind") == "hold-root-gone":
@@ -330,6 +346,9 @@ class MetricsExporter:
         return False, f"not reconciling: no pass for {age:.1f}s (> {self.liveness_seconds:g}s)\n"
 
     def ready(self) -> tuple[bool, str]:
+        if self.stuck:
+            gates = ", ".join(sorted(self.stuck))
+            return False, f"not ready: cannot withdraw the gate file of {gates} (retrying)\n"
         if self.passes_ok:
             return True, f"ready: {self.passes_ok} passes completed since start\n"
         return False, "not ready: no pass completed since start\n"

@@ -217,10 +217,22 @@ def gate(doc: object | str) -> Setup:
     return put(GATE, doc if isinstance(doc, str) else json.dumps(doc))
 
 
-def gate_confirmed(ago: float, resync: float = 30) -> Setup:
-    """A gate file confirmed ``ago`` seconds before the case runs."""
+def gate_lease(left: float, boot: str | None = None, wall: float = 0.0) -> Setup:
+    """A gate file whose lease ends ``left`` seconds after the case runs (boot-time clock)."""
+    from nodeagent.host.gatefile import GATE_VERSION, boot_id, lease_clock
+
     return put(
-        GATE, lambda: json.dumps({"confirmed_at": time.time() - ago, "resync_seconds": resync})
+        GATE,
+        lambda: json.dumps(
+            {
+                "version": GATE_VERSION,
+                "guard": "peermem",
+                "confirmed_at": time.time() + wall,
+                "lease_until": lease_clock() + left,
+                "boot_id": boot_id() if boot is None else boot,
+                "pid": 1,
+            }
+        ),
     )
 
 
@@ -406,14 +418,18 @@ CASES = [
     # -- gate files (wait must not be fooled)
     cmd("gate-empty-object", gate("{}"), WAIT0, 1, "not a gate file the agent wrote"),
     cmd("gate-garbage", gate("open!"), WAIT0, 1, "not a gate file the agent wrote"),
-    cmd("gate-stale", gate_confirmed(3600), WAIT0, 1, "agent not reconciling since"),
-    cmd("gate-resync-zero", gate_confirmed(0, resync=0), WAIT0, 1, "not finite positive"),
-    cmd("gate-confirmed-nan", gate('{"confirmed_at": NaN, "resync_seconds": 30}'), WAIT0, 1, "not a gate file"),
+    cmd("gate-expired", gate_lease(-3600), WAIT0, 1, "the lease expired"),
+    cmd("gate-lease-absurd", gate_lease(1e308), WAIT0, 1, "longer than any the agent gives"),
+    cmd("gate-lease-a-day", gate_lease(86400), WAIT0, 1, "longer than any the agent gives"),
+    cmd("gate-other-boot", gate_lease(2, boot="00000000-0000-0000-0000-000000000000"), WAIT0, 1, "another boot"),
+    cmd("gate-v1-no-lease", gate('{"confirmed_at": 1e12, "resync_seconds": 1e308}'), WAIT0, 1, "not a gate file"),
+    cmd("gate-confirmed-nan", gate('{"version": 2, "confirmed_at": NaN, "lease_until": 1, "boot_id": ""}'), WAIT0, 1, "not a gate file"),
     cmd("gate-directory", directory(GATE), WAIT0, 1, "unreadable", "directory"),
     cmd("gate-fifo", fifo(GATE), WAIT0, 1, "unreadable", "FIFO"),
     cmd("gate-symlink", link(GATE, "/etc/hostname"), WAIT0, 1, "unreadable"),
-    cmd("gate-fresh", gate_confirmed(-5), WAIT0, 0, "open"),
-    cmd("gate-confirmed-in-the-future", gate_confirmed(-3600), WAIT0, 1, "in the future"),
+    cmd("gate-fresh", gate_lease(2.5), WAIT0, 0, "open"),
+    # The wall clock plays no part: a lease from a pass an hour "ahead" is judged on its lease.
+    cmd("gate-wall-clock-an-hour-ahead", gate_lease(2.5, wall=3600), WAIT0, 0, "open"),
     # -- config and command line
     cmd("config-fifo", fifo("c.toml"), CFG, 2, "not a regular file"),
     cmd("config-directory", directory("c.toml"), CFG, 2, "not a regular file"),

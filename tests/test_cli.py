@@ -101,7 +101,7 @@ def test_wait_peermem_returns_when_the_gate_file_appears(root: Path) -> None:
 
     def open_gate() -> None:
         time.sleep(0.3)  # the directory does not exist yet when wait starts
-        GateFiles(HostRoot(root), "run/nodeagent").confirm("peermem", time.time(), 30)
+        GateFiles(HostRoot(root), "run/nodeagent").confirm("peermem", time.time())
 
     t = threading.Thread(target=open_gate)
     t.start()

@@ -135,7 +135,7 @@ def test_the_published_gate_never_reads_open_while_the_node_decides_closed(
             agent.poke.drain()  # what the loop's Waker does before a pass
             result = agent.run_pass(["property"])
             # What `wait` reads, against a fresh look at the node with the agent's memory.
-            reading = gates.read("peermem", time.time())
+            reading = gates.read("peermem")
             fresh = agent.reconciler.decide(real_observe(time.time()), agent.memory)
             assert not (reading.is_open and not fresh.verdicts["peermem"].ok), (kind, arg)
             # Protective first: the restart's unload starts in this pass, whatever is stuck.
@@ -154,15 +154,15 @@ def test_a_decision_gone_stale_while_its_gate_file_is_written_is_not_renamed_in(
     tmp_path: Path,
 ) -> None:
     gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
-    assert gates.publish({"peermem": True}, time.time(), 30.0) == []
-    assert gates.read("peermem", time.time()).is_open
+    assert gates.publish({"peermem": True}, time.time()) == []
+    assert gates.read("peermem").is_open
     asked: list[bool] = []
 
     def went_stale() -> bool:  # asked after the fsync, right before the rename
         asked.append(True)
         return False
 
-    assert gates.publish({"peermem": True}, time.time(), 30.0, went_stale) == []
+    assert gates.publish({"peermem": True}, time.time(), went_stale) == []
     assert asked == [True]
-    assert not gates.read("peermem", time.time()).is_open  # the earlier open file went too
+    assert not gates.read("peermem").is_open  # the earlier open file went too
     assert not [p for p in (tmp_path / "run/nodeagent").iterdir() if ".tmp." in p.name]

@@ -26,7 +26,7 @@ from nodeagent.config import Config
 from nodeagent.host import fs
 from nodeagent.host.events import FileWatch, Poke
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.gatefile import GateFiles
+from nodeagent.host.gatefile import lease_clock
 from nodeagent.sim.node import GATE, READY
 
 from .healthy import healthy_node
@@ -236,7 +236,7 @@ def test_status_tells_a_dead_agent_from_an_idle_one(
         agent.run_pass(["test"])
         assert main(["status", "--host-root", str(tmp_path)]) == 0
         out = capsys.readouterr().out
-        assert "agent reconciling: last pass" in out and "gate file: open (confirmed" in out
+        assert "agent reconciling: last pass" in out and "gate file: open (lease valid" in out
         assert main(["wait", "peermem", "--host-root", str(tmp_path), "--timeout", "0"]) == 0
         # The agent dies; two hours later its gate file no longer vouches for anything.
         later = time.time() + 7200
@@ -244,16 +244,16 @@ def test_status_tells_a_dead_agent_from_an_idle_one(
         status = json.loads((tmp_path / "run/nodeagent/status.json").read_text())
         status["time"] -= 7200
         (tmp_path / "run/nodeagent/status.json").write_text(json.dumps(status))
+        # Its last lease ran out long ago (nobody renewed it).
         gate = json.loads((tmp_path / GATE).read_text())
-        GateFiles(HostRoot(tmp_path), "run/nodeagent").confirm(
-            "peermem", gate["confirmed_at"] - 7200, 30
-        )
+        gate["lease_until"] = lease_clock() - 7200
+        (tmp_path / GATE).write_text(json.dumps(gate))
         capsys.readouterr()
         assert main(["status", "--host-root", str(tmp_path)]) == 1
         out = capsys.readouterr().out
-        assert out.count("agent not reconciling since") == 2  # the agent line and the gate's
+        assert "agent not reconciling since" in out and "the lease expired" in out
         assert main(["wait", "peermem", "--host-root", str(tmp_path), "--timeout", "0"]) == 1
-        assert "agent not reconciling since" in capsys.readouterr().err
+        assert "the lease expired" in capsys.readouterr().err
     finally:
         node.kernel.uevent_source.close()
 

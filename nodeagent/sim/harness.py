@@ -165,7 +165,9 @@ class AgentHarness:
         self._budget_due: set[float] = set()
         node.kernel.proc_hooks.append(self._process_started)
 
-    def _drained(self, _n: int) -> None:
+    def _drained(self, n: int) -> None:
+        if n == 0:  # an empty drain (the loop's lease heartbeat) is followed by no pass
+            return
         with self._cv:
             self._target = self.agent.passes + 1  # the pass that follows this drain
             self._cv.notify_all()
@@ -241,7 +243,13 @@ class AgentHarness:
                         break
                     continue
                 if time.monotonic() > deadline or not self.thread.is_alive():
-                    raise SimError("the agent did not settle (thread dead or stuck)")
+                    raise SimError(
+                        "the agent did not settle (thread dead or stuck): "
+                        f"fence {self.fence.pending} uevents "
+                        f"{self.node.kernel.uevent_source.pending} passes "
+                        f"{self.agent.passes}/{self._target} busy "
+                        f"{self.agent.agent.workers.busy()}"
+                    )
                 self._cv.wait(0.002)
         self._seen = self.node.world_version()
 

@@ -1,0 +1,284 @@
+"""The gate as a lease: no reader sees open longer than the lease after the decision closed
+or the agent's last renewal, whatever fails.
+
+A property test drives the agent's side of ``GateFiles`` (publish, renew, withdraw) on a
+real host root with a fake boot-time clock, through decisions, write failures, stalls,
+wall-clock steps and files tampered with, and reads after every step. Fault tests run the
+real agent loop (and the real ``nodeagent wait``) against an immutable gate file, a
+read-only state dir, a symlinked state dir and a stopped agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeagent.errors import NodeagentError
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S, GateFiles
+
+GATE = "run/nodeagent/peermem.gate"
+WAIT = 15.0
+
+# -- the property -------------------------------------------------------------------
+
+Step = tuple[str, float]
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("decide-open"), st.just(0.0)),
+        st.tuples(st.just("decide-closed"), st.just(0.0)),
+        st.tuples(st.just("renew"), st.just(0.0)),
+        st.tuples(st.just("time"), st.floats(0.0, 10.0)),  # the loop is stalled this long
+        st.tuples(st.just("writes-fail"), st.just(0.0)),
+        st.tuples(st.just("writes-work"), st.just(0.0)),
+        st.tuples(st.just("wall-step"), st.sampled_from([-3600.0, 3600.0, 1e9])),
+        st.tuples(st.just("tamper"), st.sampled_from([1e308, 86400.0, 3.0, -1.0, float("nan")])),
+    ),
+    max_size=40,
+)
+
+
+class _Failing:
+    """A host root whose writes and removals fail while ``failing`` (immutable file, read-only
+    or replaced state dir: the agent cannot change the gate file)."""
+
+    def __init__(self, host: HostRoot) -> None:
+        self.host = host
+        self.failing = False
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.host, name)
+        if name in ("write_atomic", "remove") and self.failing:
+
+            def fail(*a: object, **k: object) -> object:
+                raise PermissionError(1, "Operation not permitted")
+
+            return fail
+        return attr
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps)
+def test_no_reader_sees_open_past_the_lease(
+    tmp_path_factory: pytest.TempPathFactory, plan: list[Step]
+) -> None:
+    root = tmp_path_factory.mktemp("lease")
+    now = [1000.0]
+    wall = [1.7e9]
+    host = _Failing(HostRoot(root))
+    gates = GateFiles(host, "run/nodeagent", clock=lambda: now[0], boot=lambda: "boot-a")  # type: ignore[arg-type]
+    decision_open = False
+    closed_at: float | None = 0.0  # when the decision last went closed
+    renewed_at: float | None = None  # the last successful open write
+    for kind, x in plan:
+        if kind == "decide-open" or (kind == "renew" and decision_open):
+            decision_open = True
+            closed_at = None
+            if not gates.publish({"peermem": True}, wall[0]):
+                renewed_at = now[0]
+        elif kind == "decide-closed":
+            if decision_open:
+                closed_at = now[0]
+            decision_open = False
+            gates.withdraw(["peermem"])
+        elif kind == "time":
+            now[0] += x
+        elif kind == "writes-fail":
+            host.failing = True
+        elif kind == "writes-work":
+            host.failing = False
+        elif kind == "wall-step":
+            wall[0] += x
+        elif kind == "tamper" and (root / GATE).exists():  # someone edits the file
+            doc = json.loads((root / GATE).read_text())
+            doc["lease_until"] = now[0] + x if x == x else x
+            with contextlib.suppress(OSError):
+                (root / GATE).write_text(json.dumps(doc))
+        reading = gates.read("peermem")
+        if reading.is_open:
+            # Open only within the lease of a real renewal ...
+            assert renewed_at is not None and now[0] - renewed_at < LEASE_S + LEASE_SLACK_S
+            # ... and never past the lease after the decision closed.
+            assert closed_at is None or now[0] - closed_at < LEASE_S + LEASE_SLACK_S
+
+
+def test_absurd_leases_and_other_boots_read_closed(tmp_path: Path) -> None:
+    gates = GateFiles(HostRoot(tmp_path), "run/nodeagent", clock=lambda: 50.0, boot=lambda: "b")
+    assert gates.publish({"peermem": True}, 1.0) == []
+    assert gates.read("peermem").is_open
+    assert not gates.read("peermem", now_boot=50.0 + LEASE_S).is_open  # expired
+    assert "another boot" in gates.read("peermem", my_boot="other").reason
+    doc = json.loads((tmp_path / GATE).read_text())
+    for until in (1e308, 50.0 + 3600, float("inf")):
+        doc["lease_until"] = until
+        (tmp_path / GATE).write_text(json.dumps(doc))
+        assert not gates.read("peermem").is_open, until
+
+
+# -- the real agent, faults ------------------------------------------------------------------
+
+
+def until(pred: Callable[[], object], what: str, timeout: float = WAIT) -> float:
+    start = time.monotonic()
+    while not pred():
+        assert time.monotonic() - start < timeout, what
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[tuple[Path, object]]:
+    """The real agent loop (enforce, real inotify) on a healthy node whose gate is open."""
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config
+
+    from .healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, resync_seconds=3600)
+    agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
+    try:
+        until(lambda: gates.read("peermem").is_open, "the gate never opened")
+        yield tmp_path, agent
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
+
+
+def _close_decision(root: Path) -> None:
+    (root / "run/mellanox/drivers/.driver-ready").unlink()  # MOFED restarting: closed
+
+
+def _closed_within_the_lease(root: Path, agent: object) -> None:
+    """After the decision closed with the file stuck, a reader sees closed within the lease,
+    and the agent has said, loudly, that it cannot withdraw the file."""
+    gates = GateFiles(HostRoot(root), "run/nodeagent")
+    took = until(lambda: not gates.read("peermem").is_open, "a reader still sees open")
+    assert took <= LEASE_S + 1.0, took
+    stuck = agent._stuck_gates
+    until(lambda: "peermem" in stuck, "the failed withdrawal was not noticed")
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    recs = [json.loads(line) for line in timeline.open()] if timeline.exists() else []
+    assert any(r.get("kind") == "gate-withdrawal" and r.get("ok") is False for r in recs)
+
+
+def test_an_immutable_gate_file_expires_within_the_lease(running: tuple[Path, object]) -> None:
+    root, agent = running
+    if shutil.which("chattr") is None:
+        pytest.skip("chattr (e2fsprogs) is not installed")
+    p = subprocess.run(["chattr", "+i", str(root / GATE)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"this filesystem refuses chattr +i: {p.stderr.strip()}")
+    try:
+        _close_decision(root)
+        _closed_within_the_lease(root, agent)
+        assert (root / GATE).exists()  # still there, and read as closed
+    finally:
+        subprocess.run(["chattr", "-i", str(root / GATE)], capture_output=True)
+    stuck = agent._stuck_gates
+    until(lambda: "peermem" not in stuck, "the withdrawal was not retried once possible")
+    until(lambda: not (root / GATE).exists(), "the file was not withdrawn on retry")
+
+
+def test_a_read_only_state_dir_expires_within_the_lease(running: tuple[Path, object]) -> None:
+    root, agent = running
+    state = root / "run/nodeagent"
+    if os.geteuid() != 0:
+        pytest.skip("not root: cannot bind-mount the state dir read-only")
+    p = subprocess.run(["mount", "--bind", str(state), str(state)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {p.stderr.strip()}")
+    try:
+        p = subprocess.run(
+            ["mount", "-o", "remount,bind,ro", str(state)], capture_output=True, text=True
+        )
+        if p.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {p.stderr.strip()}")
+        _close_decision(root)
+        _closed_within_the_lease(root, agent)
+    finally:
+        subprocess.run(["umount", "-l", str(state)], capture_output=True)
+
+
+def test_a_symlinked_state_dir_is_not_followed_and_its_gate_reads_closed(
+    running: tuple[Path, object],
+) -> None:
+    root, _agent = running
+    state = root / "run/nodeagent"
+    elsewhere = root / "elsewhere"
+    shutil.copytree(state, elsewhere)
+    moved = root / "run/nodeagent.real"
+    os.rename(state, moved)
+    os.symlink(elsewhere, state)  # an open gate file, behind a symlink
+    gates = GateFiles(HostRoot(root), "run/nodeagent")
+    took = until(lambda: not gates.read("peermem").is_open, "a symlinked state dir read open")
+    assert took <= LEASE_S + 1.0, took
+    _close_decision(root)
+    until(lambda: not gates.read("peermem").is_open, "open behind a symlink")
+    with pytest.raises((OSError, NodeagentError)):
+        HostRoot(root).read_bytes(GATE, 4096)  # the reader never follows it
+
+
+AGENT = """
+import sys
+from nodeagent.cli import main
+sys.exit(main(["run", "--host-root", sys.argv[1], "--mode", "observe", "--metrics-address", "off"]))
+"""
+
+
+def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) -> None:
+    from .healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
+    try:
+        until(lambda: gates.read("peermem").is_open, "the gate never opened")
+        time.sleep(2 * LEASE_S)
+        assert gates.read("peermem").is_open, "the running agent did not renew its lease"
+        proc.send_signal(signal.SIGSTOP)  # stuck: alive, renewing nothing
+        stopped = time.monotonic()
+        until(lambda: not gates.read("peermem").is_open, "open after the agent stopped")
+        assert time.monotonic() - stopped <= LEASE_S + 1.0
+        wait = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nodeagent",
+                "wait",
+                "peermem",
+                "--host-root",
+                str(tmp_path),
+                "--timeout",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert wait.returncode == 1 and "the lease expired" in wait.stderr
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        node.kernel.uevent_source.close()
