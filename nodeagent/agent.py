@@ -106,6 +106,24 @@ class PassResult:
     started: float = 0.0
 
 
+class SteadyClock:
+    """Wall time as it was at start, advanced by the monotonic clock: what the agent
+    schedules by. A step of the wall clock (NTP, an operator) moves no deadline; what is
+    persisted stays comparable with wall time across restarts (guards clamp a saved
+    deadline further ahead than its own length)."""
+
+    def __init__(
+        self,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._monotonic = monotonic
+        self._anchor = wall() - monotonic()
+
+    def __call__(self) -> float:
+        return self._anchor + self._monotonic()
+
+
 class Agent:
     def __init__(
         self,
@@ -114,7 +132,7 @@ class Agent:
         module_ops: ModuleOps | None = None,
         kernel_log: KernelLog | None = None,
         wake_sources: Sequence[WakeSource] = (),
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         pass_context: Callable[[], AbstractContextManager[object]] | None = None,
         on_pass: Callable[[PassResult | None, Exception | None], None] | None = None,
         on_record: Callable[[dict[str, Any]], None] | None = None,
@@ -140,7 +158,11 @@ class Agent:
         self.on_pass = on_pass
         self.on_record = on_record
         self.host = HostRoot(cfg.host_root)
-        self.clock = clock
+        # Schedules (deadlines, backoffs, the resync) run on a clock a wall-clock step cannot
+        # move: wall time at start, advanced by the monotonic clock. Records carry wall time.
+        # An embedder's clock (the simulator's virtual one) serves as both.
+        self.clock: Callable[[], float] = clock or SteadyClock()
+        self.wall: Callable[[], float] = clock or time.time
         self.reconciler = build_reconciler(cfg)
         self.sriov_ops = sriov_ops or PyrouteOps(self.host)
         sriov_reader, self.sriov_store = sriov_host(cfg, self.host, self.sriov_ops)
@@ -154,7 +176,7 @@ class Agent:
             kernel_log or kmsg_reader(cfg.kmsg),
             sriov_ops=self.sriov_ops,
             verified_fd=self.observer.verified_fd,  # load the very file the gate checked
-            clock=clock,
+            clock=self.clock,
         )
         self.workers = PlanWorkers(
             self.reconciler.guards,
@@ -166,7 +188,7 @@ class Agent:
         # What may wake the loop; anything pending here after a pass's observation makes
         # that pass's decision stale (run() adds inotify, uevents and the extra sources).
         self._wake_sources: list[WakeSource] = []
-        self.state = StateStore(self.host, cfg.paths.state_dir, clock)
+        self.state = StateStore(self.host, cfg.paths.state_dir, self.wall)
         self.gates = GateFiles(self.host, cfg.paths.state_dir)
         # Bookkeeping failures of the current pass (memory, timeline, status): logged,
         # reported in status.json, never a reason to skip an action.
@@ -206,7 +228,7 @@ class Agent:
     # -- recording ------------------------------------------------------------
 
     def record(self, rec: dict[str, Any]) -> None:
-        rec = bounded({"ts": round(self.clock(), 6), **rec})
+        rec = bounded({"ts": round(self.wall(), 6), **rec})
         if self.on_record is not None:
             self.on_record(rec)
         try:
@@ -569,7 +591,7 @@ class Agent:
         return bounded(
             {
                 "version": __version__,
-                "time": snap.now,
+                "time": self.wall(),  # readers compare it with their own wall clock
                 "mode": self.cfg.mode,
                 "kernel": snap.kernel,
                 "resync_seconds": self.cfg.resync_seconds,  # status tells a dead agent by it

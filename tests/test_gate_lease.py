@@ -282,3 +282,54 @@ def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) 
         proc.kill()
         proc.wait()
         node.kernel.uevent_source.close()
+
+
+# -- time: a stepped wall clock moves no schedule ------------------------------------------
+
+
+def test_the_agents_clock_ignores_wall_clock_steps() -> None:
+    from nodeagent.agent import SteadyClock
+
+    wall, mono = [1.7e9], [100.0]
+    clock = SteadyClock(wall=lambda: wall[0], monotonic=lambda: mono[0])
+    assert clock() == 1.7e9
+    mono[0] += 5.0
+    wall[0] -= 3600.0  # stepped back an hour
+    assert clock() == 1.7e9 + 5.0
+    wall[0] += 7200.0  # and forward
+    mono[0] += 1.0
+    assert clock() == 1.7e9 + 6.0
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
+    tmp_path: Path, step: float
+) -> None:
+    from nodeagent.agent import Agent, SteadyClock
+    from nodeagent.config import Config
+
+    from .healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    offset = [0.0]
+    cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=0.3)
+    agent = Agent(
+        cfg,
+        module_ops=node.kernel,
+        kernel_log=lambda m: [],
+        clock=SteadyClock(wall=lambda: time.time() + offset[0]),
+    )
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
+    try:
+        until(lambda: agent.passes >= 3 and gates.read("peermem").is_open, "no passes")
+        offset[0] = step  # the node's clock is stepped under the running agent
+        before = agent.passes
+        time.sleep(2.0)
+        assert agent.passes >= before + 4, "the resync stopped after the clock step"
+        assert gates.read("peermem").is_open, "the lease was not renewed after the step"
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()

@@ -221,6 +221,17 @@ def test_abi_preflight_unverifiable_provider_is_evidence_not_a_reason() -> None:
     assert "ib_register_peer_memory_client" in d.verdict.evidence["abi"]["checked"]
 
 
+def test_a_saved_retry_further_ahead_than_its_cap_is_reanchored() -> None:
+    """Saved under another clock (a restart after the wall clock stepped back an hour): the
+    backoff is clamped to its cap once, not honoured for an hour."""
+    snap = healthy()
+    far = replace(GATE.initial_memory(), failures=3, retry_at=snap.now + 3600)
+    d = decide(snap, far)
+    assert d.memory.retry_at == snap.now + GATE.policy.retry_max_s
+    again = decide(replace(snap, now=snap.now + 1), d.memory)
+    assert again.memory.retry_at == d.memory.retry_at  # not moved again
+
+
 def test_host_mofed_mode_ignores_the_container_markers() -> None:
     gate = PeermemGate(PeermemPolicy(mofed="host"))
     snap = with_files(healthy(), flag(False))

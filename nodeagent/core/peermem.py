@@ -353,6 +353,10 @@ class PeermemGate:
             stale_flag=track.stale_flag,
             last_signals=track.last_signals,
         )
+        if memory.retry_at is not None and memory.retry_at - snap.now > pol.retry_max_s:
+            # Saved under another clock (a restart after the clock stepped back): no backoff
+            # is longer than its cap, so it is re-anchored there, once.
+            memory = replace(memory, retry_at=snap.now + pol.retry_max_s)
 
         # Context for the operator (not conditions): the GPU stack's own markers and
         # whether MOFED holds its lock.

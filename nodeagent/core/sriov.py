@@ -403,6 +403,10 @@ def _restore_one(p: _Pass, mem: PfMemory, sv: SavedVf, r: VfRestore, obs: PfSnap
             done_at=p.now,
             error=f"VF index {sv.index} is past sriov_totalvfs {totalvfs}",
         )
+    if r.deadline - p.now > p.policy.vf_deadline_s:
+        # Saved under another clock (a restart after a clock step): no VF deadline is
+        # further ahead than its own length.
+        r = replace(r, deadline=p.now + p.policy.vf_deadline_s)
     ov = obs.vf(sv.index)
     ready = ov is not None and ov.pci is not None and (sv.netdev is None or ov.netdev is not None)
     if ov is None or not ready or obs.problems or ov.problems:
