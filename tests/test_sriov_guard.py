@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -323,6 +324,28 @@ def test_a_vf_that_never_appears_is_reported_alone_and_blocks_no_other() -> None
     run.step(71.0)
     assert run.phase() == "restored"
     assert run.world.writes[2] == 1
+
+
+def test_a_saved_vf_deadline_further_ahead_than_its_length_is_reanchored() -> None:
+    """A restore deadline saved under another clock (a restart after the wall clock stepped
+    back an hour) is clamped to ``vf_deadline_s`` once, not waited out for an hour."""
+    run = stable_then_unloaded(2)
+    run.world.reload()
+    run.step(2.0)
+    assert run.phase() == "restoring"
+    pf = run.memory.pfs[PF_PCI]
+    far = {i: replace(r, deadline=2.0 + 3600) for i, r in pf.restores.items()}
+    run.memory = replace(
+        run.memory,
+        pfs=MappingProxyType(
+            {**run.memory.pfs, PF_PCI: replace(pf, restores=MappingProxyType(far))}
+        ),
+    )
+    run.step(3.0)
+    assert all(r.deadline <= 3.0 + 60 for r in run.memory.pfs[PF_PCI].restores.values())
+    assert run.wake_at is not None and run.wake_at <= 3.0 + 60
+    run.step(63.5)
+    assert run.phase() == "degraded"  # within its own length of the clamp, not an hour
 
 
 def test_failed_restore_backs_off_and_retries() -> None:
