@@ -130,7 +130,7 @@ def test_abi_preflight_predicts_the_kernels_refusal(
             f"{CONSUMER} needs {SYM} CRC {crc1:#010x} "
             f"but the loaded {PROVIDER} exports {crc2:#010x}"
         ]
-        assert evidence == {"checked": [SYM], "unverifiable": []}
+        assert evidence == {"checked": [SYM], "unverifiable": [], "mismatched": [SYM]}
         # The CRCs of a file are only trusted when the loaded module is that file.
         reasons, evidence = abi_mismatches(disk_module(cons), {PROVIDER: (loaded, disk_module(v1))})
         assert reasons == [] and evidence["checked"] == []
@@ -153,7 +153,10 @@ def test_abi_preflight_predicts_the_kernels_refusal(
     try:
         loaded = _loaded(PROVIDER)
         reasons, evidence = abi_mismatches(disk_module(cons), {PROVIDER: (loaded, disk_module(v1))})
-        assert (reasons, evidence) == ([], {"checked": [SYM], "unverifiable": []})
+        assert (reasons, evidence) == (
+            [],
+            {"checked": [SYM], "unverifiable": [], "mismatched": []},
+        )
         out = act.perform(load)
         assert (out.ok, out.errno, out.kernel_messages) == (True, None, ()), out
         assert _loaded(PROVIDER).holders == (CONSUMER,)
