@@ -329,6 +329,11 @@ class StorageGuard:
                             )
                         why = "MOFED is pending and refuses to install over storage modules"
                         actions += [UnloadModule(self.name, m, why) for m in order]
+                        # Intent before action: memory (saved, fsynced, before the plan
+                        # starts) names what is about to go, so an agent killed mid-plan
+                        # still loads back everything it may have removed.
+                        intent = (*memory.removed, *(m for m in order if m in pol.roots))
+                        memory = replace(memory, removed=tuple(dict.fromkeys(intent)))
         elif hold.present and (pending or (memory.removed and not ready) or lock_unknown):
             # Until MOFED is ready: a crash-looping MOFED is not pending between its tries,
             # and a lock the agent cannot read may be MOFED's: the hold stays.
@@ -350,6 +355,12 @@ class StorageGuard:
                         pol.hold_file,
                         "MOFED is ready" if ready else "MOFED is not pending (stale hold file)",
                     )
+                )
+            if ready and memory.removed:
+                # What is loaded needs no loading back (an intent whose removal never
+                # happened, or a module someone else loaded).
+                memory = replace(
+                    memory, removed=tuple(m for m in memory.removed if m not in snap.modules)
                 )
             if ready and memory.removed and pol.reload and pol.policy != "off":
                 if memory.retry_at is not None and snap.now < memory.retry_at:
@@ -421,6 +432,8 @@ class StorageGuard:
 
     def absorb(self, memory: StorageMemory, outcome: ActionOutcome, now: float) -> StorageMemory:
         if not outcome.performed:
+            if isinstance(outcome.action, UnloadModule):  # decided, not done (observe mode):
+                return _loaded(memory, outcome.action, self.policy)  # the intent goes
             return memory
         action = outcome.action
         if outcome.ok:

@@ -1,0 +1,108 @@
+"""kill -9 anywhere in a storage removal: after a restart and MOFED ready, every module the
+agent removed is loaded back.
+
+The killed agent is the real loop in a child process (``storage_runner``), removing three
+storage modules at 100 ms each while MOFED is pending (its lock held). It is killed right
+after each removal (and as the first begins), and at seeded offsets into the plan. Then
+MOFED becomes ready, a new agent starts on the same root, and the test waits until it has
+loaded back what is gone. ``bench``-size trials (30 offsets): ``bench/storage_kill9.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .storage_runner import SlowFileKernel, agent, make_module
+
+MODULES = ("ib_iser", "ib_srp", "rpcrdma")
+LOCK = "run/mellanox/drivers/.lock"
+READY = "run/mellanox/drivers/.driver-ready"
+HOLD = "etc/modprobe.d/nodeagent-storage-hold.conf"
+WAIT = 20.0
+
+
+def storage_node(root: Path) -> None:
+    """MOFED pending (its lock held), three storage modules loaded with no user."""
+    (root / "proc/sys/kernel").mkdir(parents=True)
+    (root / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
+    (root / "proc/1").mkdir(parents=True)
+    (root / "proc/1/mountinfo").write_text(
+        "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
+    )
+    for m in MODULES:
+        make_module(root, m)
+    lock = root / LOCK
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    st = os.stat(lock)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    (root / "proc/locks").write_text(f"1: FLOCK  ADVISORY  WRITE 99 {where} 0 EOF\n")
+
+
+def loaded(root: Path) -> set[str]:
+    return {m for m in MODULES if (root / "sys/module" / m).is_dir()}
+
+
+def trial(root: Path, die_after: int | None, offset_s: float | None) -> tuple[set[str], set[str]]:
+    """One kill and one restart: (what the killed agent left loaded, what is loaded after)."""
+    storage_node(root)
+    args = [sys.executable, "-m", "tests.faults.storage_runner", str(root)]
+    if die_after is not None:
+        args.append(str(die_after))
+    child = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[2])
+    try:
+        if offset_s is not None:
+            start = time.monotonic()
+            while not (root / HOLD).exists():  # the plan's first step is done
+                assert child.poll() is None and time.monotonic() - start < WAIT, "no plan"
+                time.sleep(0.002)
+            time.sleep(offset_s)
+            child.send_signal(signal.SIGKILL)
+        child.wait(WAIT)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL, child.returncode
+    left = loaded(root)
+    # MOFED installs and comes up: its lock released, its ready flag written.
+    (root / "proc/locks").write_text("")
+    (root / READY).write_text("")
+    restarted = agent(root, SlowFileKernel(root))
+    try:
+        deadline = time.monotonic() + WAIT
+        restarted.run_once()
+        while (loaded(root) != set(MODULES) or (root / HOLD).exists()) and (
+            time.monotonic() < deadline
+        ):
+            restarted.run_once()
+    finally:
+        restarted.close()
+    return left, loaded(root)
+
+
+@pytest.mark.parametrize("die_after", [0, 1, 2, 3])
+def test_killed_after_each_removal_everything_removed_comes_back(
+    tmp_path: Path, die_after: int
+) -> None:
+    left, after = trial(tmp_path, die_after, None)
+    assert len(left) == len(MODULES) - die_after  # the kill came where it was asked
+    assert after == set(MODULES)
+    assert not (tmp_path / HOLD).exists()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_killed_at_any_moment_of_the_plan_everything_removed_comes_back(
+    tmp_path: Path, seed: int
+) -> None:
+    offset = random.Random(seed).uniform(0.0, 0.35)  # 3 removals of 100 ms, and beyond
+    left, after = trial(tmp_path, None, offset)
+    assert after == set(MODULES), (offset, left)
+    assert not (tmp_path / HOLD).exists()
