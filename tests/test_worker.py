@@ -319,3 +319,32 @@ def test_status_lists_the_step_in_flight_then_the_abandoned_one(
     finally:
         hung.set()
         agent.close()
+
+
+def test_one_hung_step_of_a_parallel_plan_delays_no_later_step() -> None:
+    """Per-VF isolation: a parallel plan superseded while one step hangs ends at once; the
+    next plan's steps run; the hung step is not started twice and its outcome comes back."""
+    steps = Steps("vf0")
+    w = workers(steps)
+    hung, done = unload("storage", "vf0"), unload("storage", "vf1")
+    later = unload("storage", "vf2")
+    try:
+        w.submit({"storage": Plan("storage", (hung, done), "parallel", bound=4)})
+        assert steps.entered["vf0"].wait(WAIT)
+        began = time.monotonic()
+        # A VF appears: the decision now also wants vf2 (and still vf0, not restored yet).
+        w.submit({"storage": Plan("storage", (hung, later), "parallel", bound=4)})
+        deadline = time.monotonic() + WAIT
+        while "vf2" not in steps.ended and time.monotonic() < deadline:
+            time.sleep(0.005)
+        waited = time.monotonic() - began
+        assert "vf2" in steps.ended and waited < 1.0, waited  # not behind the hung vf0
+        assert steps.started.count("vf0") == 1  # never started twice while it runs
+        assert any("vf0" in s and "superseded" in s for s in w.in_flight().get("storage", []))
+        assert w.busy()
+        steps.release()
+        outcomes = [o.action for f in finished_of(w) for o in f.outcomes]
+        assert hung in outcomes and later in outcomes and done in outcomes
+    finally:
+        steps.release()
+        w.close(WAIT)

@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 from nodeagent.core.actions import Action, ActionOutcome, Plan
@@ -47,6 +47,7 @@ Perform = Callable[[Action], ActionOutcome]
 # A step's own thread gets this long past its timeout to report (a killed modprobe's
 # ETIMEDOUT) before the worker stops waiting for it.
 REPORT_GRACE_S = 0.5
+DETACH_POLL_S = 0.05  # a running parallel plan looks this often whether it was superseded
 
 
 class _Threads:
@@ -135,13 +136,18 @@ def _guarded(perform: Perform, action: Action) -> ActionOutcome:
 
 
 def execute_plan(
-    plan: Plan, run_step: Perform, stopped: Callable[[], bool] = lambda: False
+    plan: Plan,
+    run_step: Perform,
+    stopped: Callable[[], bool] = lambda: False,
+    detach: Callable[[Action, Future[ActionOutcome | None]], None] | None = None,
 ) -> tuple[list[ActionOutcome], tuple[Action, ...]]:
     """Run ``plan`` by its strategy; (outcomes of the steps that ran, steps never started).
 
     ``sequence`` stops at the first failure (later steps depend on earlier ones);
     ``parallel`` runs every step, at most ``bound`` at once. Both stop starting
-    steps once ``stopped()`` (a newer decision superseded the plan).
+    steps once ``stopped()`` (a newer decision superseded the plan). With ``detach``,
+    a superseded parallel plan does not wait for its steps in flight (one VF's hung
+    write): each is handed to ``detach`` with its future, and the plan ends at once.
     """
     steps = plan.steps
     if plan.strategy == "sequence" or plan.bound <= 1 or len(steps) <= 1:
@@ -158,10 +164,31 @@ def execute_plan(
     def one(step: Action) -> ActionOutcome | None:
         return None if stopped() else run_step(step)
 
-    with ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan") as pool:
-        results = list(pool.map(one, steps))
-    ran = [o for o in results if o is not None]
-    return ran, tuple(s for s, o in zip(steps, results, strict=True) if o is None)
+    if detach is None:
+        with ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan") as pool:
+            results = list(pool.map(one, steps))
+        ran = [o for o in results if o is not None]
+        return ran, tuple(s for s, o in zip(steps, results, strict=True) if o is None)
+
+    pool = ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan")
+    futures = [pool.submit(one, s) for s in steps]
+    while not all(f.done() for f in futures) and not stopped():
+        wait(futures, timeout=DETACH_POLL_S, return_when=FIRST_COMPLETED)
+    pool.shutdown(wait=False, cancel_futures=True)
+    ended: list[ActionOutcome] = []
+    not_done: list[Action] = []
+    for s, f in zip(steps, futures, strict=True):
+        if f.cancelled():
+            not_done.append(s)
+        elif f.done():
+            result = f.result()
+            if result is None:
+                not_done.append(s)
+            else:
+                ended.append(result)
+        else:
+            detach(s, f)  # in flight: its outcome comes back when it ends
+    return ended, tuple(not_done)
 
 
 @dataclass(frozen=True)
@@ -211,6 +238,9 @@ class GuardWorker:
         self._finished: list[FinishedPlan] = []
         self._closing = False
         self._thread: threading.Thread | None = None
+        # Steps of a superseded parallel plan still running (a hung VF write): nothing
+        # waits on them; no later plan starts the same step again while one runs.
+        self._detached: list[Action] = []
 
     # -- the loop's side -------------------------------------------------------
 
@@ -255,7 +285,7 @@ class GuardWorker:
                 for r in runs
                 for i, s in enumerate(r.plan.steps)
                 if i in r.started and i not in r.ended
-            ]
+            ] + [f"{s.describe()} (of a superseded plan)" for s in self._detached]
 
     def _idle(self) -> bool:
         return (
@@ -263,6 +293,7 @@ class GuardWorker:
             and self._queued is None
             and not self._urgent
             and not self._urgent_queued
+            and not self._detached
         )
 
     # -- running ---------------------------------------------------------------
@@ -287,7 +318,30 @@ class GuardWorker:
                 if self._queued is None:
                     return
                 run, self._queued, self._current = self._queued, None, self._queued
+                self._skip_detached(run)
             self._execute(run)
+
+    def _skip_detached(self, run: _Run) -> None:
+        """Under the lock: a step still running from a superseded plan is not started twice."""
+        if self._detached and any(s in self._detached for s in run.plan.steps):
+            steps = tuple(s for s in run.plan.steps if s not in self._detached)
+            run.plan = replace(run.plan, steps=steps)
+
+    def _detach_step(self, step: Action, future: Future[ActionOutcome | None]) -> None:
+        with self._cv:
+            self._detached.append(step)
+        future.add_done_callback(lambda f: self._late(step, f))
+
+    def _late(self, step: Action, future: Future[ActionOutcome | None]) -> None:
+        """A detached step ended: its outcome goes to the loop like any plan's."""
+        result = None if future.cancelled() or future.exception() else future.result()
+        with self._cv:
+            self._detached.remove(step)
+            if result is not None:
+                plan = Plan(self.guard, (step,), "parallel")
+                self._finished.append(FinishedPlan(plan, (result,)))
+            self._cv.notify_all()
+        self.on_done(self.guard)
 
     def _urgent_main(self) -> None:
         while True:
@@ -333,7 +387,8 @@ class GuardWorker:
                 with self._cv:
                     run.ended.add(i)
 
-        outcomes, not_done = execute_plan(run.plan, step, stopped)
+        detach = self._detach_step if self.threaded else None
+        outcomes, not_done = execute_plan(run.plan, step, stopped, detach)
         superseded = run.superseded and bool(not_done)
         with self._cv:
             self._detach(run)
@@ -356,7 +411,8 @@ class GuardWorker:
             self._urgent_queued.clear()
             self._cv.notify_all()
             return self._cv.wait_for(
-                lambda: self._current is None and not self._urgent, max(0.0, timeout)
+                lambda: self._current is None and not self._urgent and not self._detached,
+                max(0.0, timeout),
             )
 
 
