@@ -69,9 +69,12 @@ def wanted(i: int) -> VfConfig:
 class TimedOps(SimSriovOps):
     """The simulator's netlink, noting when each VF's whole config is back."""
 
-    def __init__(self, kernel: SimKernel, want: list[VfConfig]) -> None:
+    def __init__(
+        self, kernel: SimKernel, want: list[VfConfig], hang: tuple[int, float] | None = None
+    ) -> None:
         super().__init__(kernel)
         self.want = want
+        self.hang = hang  # (VF index, seconds): that VF's first netlink write hangs
         self.back_at: dict[int, float] = {}
         self.armed = False
         self.lock = threading.Lock()
@@ -86,6 +89,9 @@ class TimedOps(SimSriovOps):
                     self.back_at[vf.index] = now
 
     def set_vf(self, pf_ifname: str, index: int, values: Any) -> None:
+        if self.armed and self.hang is not None and index == self.hang[0]:
+            seconds, self.hang = self.hang[1], None
+            time.sleep(seconds)  # a netlink write that hangs (once)
         super().set_vf(pf_ifname, index, values)
         self._check()
 
@@ -157,9 +163,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_agent(
-    k: SimKernel, n: int, want: list[VfConfig], schedule: list[tuple[float, int]]
+    k: SimKernel,
+    n: int,
+    want: list[VfConfig],
+    schedule: list[tuple[float, int]],
+    hang: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
-    ops = TimedOps(k, want)
+    ops = TimedOps(k, want, hang)
     policy = SriovPolicy(numvfs_owner="mofed", poll_s=2.0)
     cfg = Config(host_root=str(k.root), mode="enforce", uevents=False, policies={"sriov": policy})
     agent = Agent(
@@ -364,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--igb", action="store_true", help="on the real kernel's igb VFs (TCG)")
     ap.add_argument("--in-guest-igb", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--hang",
+        type=float,
+        default=0.0,
+        help="S: also run with the first-appearing VF's netlink write hanging S s, and compare",
+    )
     args = ap.parse_args(argv)
     if args.in_guest_igb:
         return igb_in_guest(args.vfs or 4, args.spread, args.seed)
@@ -377,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         want = configure(k, n)
         agent = run_agent(k, n, want, schedule)
         mofed = run_mofed(k, n, want, schedule)
+    if args.hang > 0:
+        return compare_hang(n, schedule, args, agent)
     lat_ms = [x * 1000 for x in agent["latency"]]
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(
@@ -405,6 +423,32 @@ def main(argv: list[str] | None = None) -> int:
         f"MOFED method had it waited for each netdev, at the seed's {SEED_PER_VF_S} s a VF: "
         f"all back {mofed['waited_all_s']:.0f} s after numvfs; ratio to the agent: {ratio:.0f}x"
     )
+    return 0
+
+
+def compare_hang(
+    n: int, schedule: list[tuple[float, int]], args: argparse.Namespace, plain: dict[str, Any]
+) -> int:
+    """The same run with the first VF to appear hanging in its netlink write: the others'
+    appearance -> config back, beside the run without the hang (one process, one run)."""
+    first = schedule[0][1]
+    with tempfile.TemporaryDirectory(prefix="nodeagent-bench-vf-", dir="/dev/shm") as tmp:
+        k = build_kernel(Path(tmp), n)
+        want = configure(k, n)
+        hung = run_agent(k, n, want, schedule, hang=(first, args.hang))
+    others = [i for i in range(n) if i != first]
+    a = [plain["latency"][i] * 1000 for i in others]
+    b = [hung["latency"][i] * 1000 for i in others]
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(
+        f"input: {n} VFs (simulated kernel), netdevs within 0-{args.spread:g} s (seed "
+        f"{args.seed}); VF {first} (the first to appear) hangs {args.hang:g} s in its "
+        "netlink write; the other VFs measured"
+    )
+    print(f"  no hang:  p50 {statistics.median(a):7.1f} ms  p99 {pct(a, 99):7.1f} ms")
+    print(f"  one hung: p50 {statistics.median(b):7.1f} ms  p99 {pct(b, 99):7.1f} ms")
+    print(f"  p99 ratio (hung / no hang): {pct(b, 99) / pct(a, 99):.2f}")
+    print(f"  the hung VF itself: {hung['latency'][first]:.2f} s")
     return 0
 
 

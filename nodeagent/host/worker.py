@@ -172,8 +172,9 @@ def execute_plan(
 
     pool = ThreadPoolExecutor(max_workers=plan.bound, thread_name_prefix="plan")
     futures = [pool.submit(one, s) for s in steps]
-    while not all(f.done() for f in futures) and not stopped():
-        wait(futures, timeout=DETACH_POLL_S, return_when=FIRST_COMPLETED)
+    while (running := [f for f in futures if not f.done()]) and not stopped():
+        # Only the steps not yet done: a done one would end every wait at once (a spin).
+        wait(running, timeout=DETACH_POLL_S, return_when=FIRST_COMPLETED)
     pool.shutdown(wait=False, cancel_futures=True)
     ended: list[ActionOutcome] = []
     not_done: list[Action] = []
@@ -269,7 +270,7 @@ class GuardWorker:
     def take_finished(self) -> list[FinishedPlan]:
         with self._cv:
             out, self._finished = self._finished, []
-            if self._idle():
+            if self._lanes_idle():
                 self._wanted = None  # absorbed: the same decision again is a new attempt
             return out
 
@@ -287,14 +288,17 @@ class GuardWorker:
                 if i in r.started and i not in r.ended
             ] + [f"{s.describe()} (of a superseded plan)" for s in self._detached]
 
-    def _idle(self) -> bool:
+    def _lanes_idle(self) -> bool:
+        """No plan queued or running (a detached step may still run: it holds no lane)."""
         return (
             self._current is None
             and self._queued is None
             and not self._urgent
             and not self._urgent_queued
-            and not self._detached
         )
+
+    def _idle(self) -> bool:
+        return self._lanes_idle() and not self._detached
 
     # -- running ---------------------------------------------------------------
 
