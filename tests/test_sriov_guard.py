@@ -628,3 +628,47 @@ def test_saved_memory_of_any_shape_is_parsed_or_refused_with_a_value_error(
     node[path[-1]] = value  # type: ignore[index]
     with contextlib.suppress(ValueError):
         run.guard.memory_from_json(doc)
+
+
+def test_a_restore_in_progress_for_a_pf_that_went_away_is_cancelled() -> None:
+    """Cancel at a safe point: the PF goes while its restore plan runs; the guard's next
+    decision has no restore for it, and the worker starts none of the plan's other VFs."""
+    import threading
+
+    from nodeagent.core.actions import ActionOutcome, Plan
+    from nodeagent.host.worker import PlanWorkers
+
+    run = stable_then_unloaded(4)
+    run.world.reload()
+    for i in range(4):
+        run.world.netdev_appears(i)
+    snap = run.world.observe(2.0)
+    d = run.guard.decide(snap, run.memory)
+    restores = [a for a in d.actions if isinstance(a, RestoreVf)]
+    assert len(restores) == 4
+    entered, release = threading.Event(), threading.Event()
+    started: list[int] = []
+
+    def perform(action: object) -> ActionOutcome:
+        assert isinstance(action, RestoreVf)
+        started.append(action.index)
+        if len(started) == 1:
+            entered.set()
+            assert release.wait(10)
+        return ActionOutcome(action=action, ok=True)
+
+    w = PlanWorkers(("sriov",), perform, step_timeout_s=lambda _a: 30.0)  # type: ignore[arg-type]
+    try:
+        w.submit({"sriov": Plan("sriov", tuple(restores), "parallel", bound=1)})
+        assert entered.wait(10)
+        gone = run.guard.decide(_without_pf(run.world.observe(3.0)), d.memory)
+        assert not [a for a in gone.actions if isinstance(a, RestoreVf)]
+        w.submit({"sriov": Plan("sriov", gone.actions)})
+        release.set()
+        assert w.wait_idle(10)
+        (finished,) = w.take_finished()
+        assert finished.superseded and len(finished.not_done) == 3
+        assert len(started) == 1  # the step in flight ended; no other VF was started
+    finally:
+        release.set()
+        w.close(10)
