@@ -218,7 +218,6 @@ class Agent:
         # The gates the last pass published, renewed by the loop until a pass decides again.
         self._published: list[str] = []
         self._published_snap: NodeSnapshot | None = None
-        self._published_at: float | None = None
         self._stuck_gates: dict[str, str] = {}  # gate -> why its file could not be withdrawn
         self._last_signature: Any = None
         self._saved_memory: dict[str, Any] | None = None
@@ -331,7 +330,7 @@ class Agent:
         # Asked again between the gate file's fsync and its rename: the window in which a
         # change can slip past is the few microseconds of those two calls.
         def fresh() -> bool:
-            return not self._event_pending() and self.observer.markers_unchanged(snap)
+            return self._fresh(snap)
 
         published: list[str] = []
         if not self._can_vouch or not fresh():
@@ -341,7 +340,7 @@ class Agent:
                 [g for g in self.reconciler.gates if rec.verdicts[g].ok], fresh
             )
         # What the loop renews between passes (gatefile.py: the lease), and against what.
-        self._published, self._published_snap, self._published_at = published, snap, now
+        self._published, self._published_snap = published, snap
         # The hold follows the published gate: a held load goes on only when `wait` would,
         # or when the guard says no wait can help (a load the kernel refuses either way).
         peermem = rec.verdicts.get("peermem")
@@ -370,21 +369,24 @@ class Agent:
     def _publish(
         self, gates: Sequence[str], still_fresh: Callable[[], bool] | None = None
     ) -> list[str]:
-        """Write open gates' leases; the ones published (a failed one is withdrawn)."""
+        """Write open gates' leases; the ones published. One not published (gone stale while
+        written, or the write failed) was withdrawn by ``publish``; withdrawn once more here
+        so a file that cannot go is tracked and said loudly."""
         fresh = still_fresh or self._still_fresh
-        problems = self.gates.publish(dict.fromkeys(gates, True), self.clock(), fresh)
+        published, problems = self.gates.publish(dict.fromkeys(gates, True), self.clock(), fresh)
         for p in problems:
             log.error(p)
-        failed = [g for g in gates if any(self.gates.rel(g) in p for p in problems)]
-        if failed:
-            self._withdraw(failed)
-        return [g for g in gates if g not in failed]
+        if len(published) < len(gates):
+            self._withdraw([g for g in gates if g not in published])
+        return published
+
+    def _fresh(self, snap: NodeSnapshot) -> bool:
+        """Does the decision taken from ``snap`` still stand: no event since, markers as seen?"""
+        return not self._event_pending() and self.observer.markers_unchanged(snap)
 
     def _still_fresh(self) -> bool:
         snap = self._published_snap
-        return (
-            snap is not None and not self._event_pending() and self.observer.markers_unchanged(snap)
-        )
+        return snap is not None and self._fresh(snap)
 
     def renew_leases(self) -> None:
         """The loop's heartbeat between passes: renew the open gates' leases while the last
@@ -480,10 +482,7 @@ class Agent:
             host_pids=host.host_pids(),
             containers=bool(pol.hold_containers),
             on_report=lambda: self.plans_ended.poke("held open ended"),  # a pipe write
-            proc=host.proc,
-            path_of=host.path_of,
-            threaded=host.threaded,
-            clock=host.clock,
+            host=host,
         )
         for p in problems:
             log.warning(p)

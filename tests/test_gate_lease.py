@@ -90,7 +90,8 @@ def test_no_reader_sees_open_past_the_lease(
         if kind == "decide-open" or (kind == "renew" and decision_open):
             decision_open = True
             closed_at = None
-            if not gates.publish({"peermem": True}, wall[0]):
+            published, _problems = gates.publish({"peermem": True}, wall[0])
+            if published:
                 renewed_at = now[0]
         elif kind == "decide-closed":
             if decision_open:
@@ -120,7 +121,7 @@ def test_no_reader_sees_open_past_the_lease(
 
 def test_absurd_leases_and_other_boots_read_closed(tmp_path: Path) -> None:
     gates = GateFiles(HostRoot(tmp_path), "run/nodeagent", clock=lambda: 50.0, boot=lambda: "b")
-    assert gates.publish({"peermem": True}, 1.0) == []
+    assert gates.publish({"peermem": True}, 1.0) == (["peermem"], [])
     assert gates.read("peermem").is_open
     assert not gates.read("peermem", now_boot=50.0 + LEASE_S).is_open  # expired
     assert "another boot" in gates.read("peermem", my_boot="other").reason

@@ -154,7 +154,7 @@ def test_a_decision_gone_stale_while_its_gate_file_is_written_is_not_renamed_in(
     tmp_path: Path,
 ) -> None:
     gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
-    assert gates.publish({"peermem": True}, time.time()) == []
+    assert gates.publish({"peermem": True}, time.time()) == (["peermem"], [])
     assert gates.read("peermem").is_open
     asked: list[bool] = []
 
@@ -162,7 +162,7 @@ def test_a_decision_gone_stale_while_its_gate_file_is_written_is_not_renamed_in(
         asked.append(True)
         return False
 
-    assert gates.publish({"peermem": True}, time.time(), went_stale) == []
+    assert gates.publish({"peermem": True}, time.time(), went_stale) == ([], [])
     assert asked == [True]
     assert not gates.read("peermem").is_open  # the earlier open file went too
     assert not [p for p in (tmp_path / "run/nodeagent").iterdir() if ".tmp." in p.name]

@@ -165,20 +165,25 @@ class GateFiles:
         open_gates: Mapping[str, bool],
         confirmed_at: float,
         still_fresh: Callable[[], bool] | None = None,
-    ) -> list[str]:
+    ) -> tuple[list[str], list[str]]:
         """Confirm the open gates (closed ones were withdrawn already); fail closed per gate,
-        and withdraw a gate whose decision went stale while its file was being written."""
+        and withdraw a gate whose decision went stale while its file was being written.
+        (the gates published, the problems): a gate withdrawn as stale is not published
+        though nothing went wrong."""
+        published: list[str] = []
         problems: list[str] = []
         for guard, is_open in open_gates.items():
             if not is_open:
                 continue
             try:
-                if not self.confirm(guard, confirmed_at, still_fresh):
+                if self.confirm(guard, confirmed_at, still_fresh):
+                    published.append(guard)
+                else:
                     problems.extend(self.withdraw([guard]))
             except (OSError, NodeagentError) as exc:
                 problems.append(f"cannot publish {self.rel(guard)}: {_why(exc)}")
                 problems.extend(self.withdraw([guard]))
-        return problems
+        return published, problems
 
     # -- readers (wait, status) ----------------------------------------------------
 

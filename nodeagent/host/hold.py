@@ -36,7 +36,7 @@ from typing import Protocol
 
 from nodeagent.core.hold import held_open
 from nodeagent.host.events import Poke
-from nodeagent.host.fanotify import EventSource, PermEvent
+from nodeagent.host.fanotify import EventSource, FanotifyGroup, PermEvent
 
 # kmod is one binary for modprobe, insmod, modinfo, depmod...: its exe says "kmod" for all
 # of them, its comm (argv[0]'s name) says which. So "kmod" alone names no loader.
@@ -285,12 +285,11 @@ def start_hold(
     host_pids: bool,
     containers: bool = False,
     on_report: Callable[[], None] = lambda: None,
-    proc: str = "/proc",
-    path_of: Callable[[PermEvent], str] = lambda event: event_path(event),
-    threaded: bool = True,
-    clock: Callable[[], float] = time.monotonic,
+    host: HoldHost | None = None,
 ) -> tuple[Responder | None, list[str], list[str]]:
     """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
+    ``host``: where openers and files are read, and whether the responder gets a thread
+    (the running kernel's by default).
 
     Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
     nothing marked and no container roots to come (``containers``); a root that cannot be
@@ -321,15 +320,16 @@ def start_hold(
     if not marked and not containers:
         source.close()
         return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
+    host = host or HoldHost(group=FanotifyGroup)
     responder = Responder(
         source,
         gate_open=gate_open,
         budget_s=budget_s,
         on_report=on_report,
-        proc=proc,
-        path_of=path_of,
-        clock=clock,
+        proc=host.proc,
+        path_of=host.path_of,
+        clock=host.clock,
     )
-    if threaded:
+    if host.threaded:
         responder.start()
     return responder, marked, problems

@@ -10,7 +10,6 @@ loaded back what is gone. ``bench``-size trials (30 offsets): ``bench/storage_ki
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -20,31 +19,19 @@ from pathlib import Path
 
 import pytest
 
+from ..test_storage_agent import HOLD, node
 from .storage_runner import SlowFileKernel, agent, make_module
 
 MODULES = ("ib_iser", "ib_srp", "rpcrdma")
-LOCK = "run/mellanox/drivers/.lock"
 READY = "run/mellanox/drivers/.driver-ready"
-HOLD = "etc/modprobe.d/nodeagent-storage-hold.conf"
 WAIT = 20.0
 
 
 def storage_node(root: Path) -> None:
     """MOFED pending (its lock held), three storage modules loaded with no user."""
-    (root / "proc/sys/kernel").mkdir(parents=True)
-    (root / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
-    (root / "proc/1").mkdir(parents=True)
-    (root / "proc/1/mountinfo").write_text(
-        "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
-    )
-    for m in MODULES:
+    node(root, MODULES[0])
+    for m in MODULES[1:]:
         make_module(root, m)
-    lock = root / LOCK
-    lock.parent.mkdir(parents=True)
-    lock.touch()
-    st = os.stat(lock)
-    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    (root / "proc/locks").write_text(f"1: FLOCK  ADVISORY  WRITE 99 {where} 0 EOF\n")
 
 
 def loaded(root: Path) -> set[str]:

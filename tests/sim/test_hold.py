@@ -16,6 +16,7 @@ import pytest
 
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.sim.clock import Scheduler
+from nodeagent.sim.fanotify import SimFanotify
 from nodeagent.sim.kernel import HOST_SB, SimKernel
 from nodeagent.sim.modes import MODES
 from nodeagent.sim.modtree import RDMA_MODULES, depmod, install_generation
@@ -50,12 +51,18 @@ def _modprobe_actor(k: SimKernel, out: dict[str, object]) -> None:
     k.sched.spawn("nvidia-driver-ctr", body)
 
 
-def test_an_open_on_a_marked_filesystem_waits_for_the_answer(kernel: SimKernel) -> None:
+def _waiting_open(kernel: SimKernel) -> tuple[SimFanotify, dict[str, object]]:
+    """A group marking the driver root, and the driver container's modprobe opening there."""
     group = kernel.fanotify_group()
     group.mark_filesystem(str(kernel.root / "run/nvidia/driver"))
     out: dict[str, object] = {}
     _modprobe_actor(kernel, out)
     kernel.sched.run(1.0)
+    return group, out
+
+
+def test_an_open_on_a_marked_filesystem_waits_for_the_answer(kernel: SimKernel) -> None:
+    group, out = _waiting_open(kernel)
     (event,) = group.read()  # one open (its dependencies are loaded): one event
     assert group.path_of(event).endswith("kernel/drivers/video/nvidia-peermem.ko")
     proc = kernel.procs[event.pid]  # the opener is a process the agent's /proc shows
@@ -71,11 +78,7 @@ def test_an_open_on_a_marked_filesystem_waits_for_the_answer(kernel: SimKernel) 
 
 
 def test_a_denied_open_fails_with_eperm(kernel: SimKernel) -> None:
-    group = kernel.fanotify_group()
-    group.mark_filesystem(str(kernel.root / "run/nvidia/driver"))
-    out: dict[str, object] = {}
-    _modprobe_actor(kernel, out)
-    kernel.sched.run(1.0)
+    group, out = _waiting_open(kernel)
     (event,) = group.read()
     group.respond(event, False)
     kernel.sched.run(2.0)
@@ -83,11 +86,7 @@ def test_a_denied_open_fails_with_eperm(kernel: SimKernel) -> None:
 
 
 def test_a_dead_listener_lets_every_waiting_open_go(kernel: SimKernel) -> None:
-    group = kernel.fanotify_group()
-    group.mark_filesystem(str(kernel.root / "run/nvidia/driver"))
-    out: dict[str, object] = {}
-    _modprobe_actor(kernel, out)
-    kernel.sched.run(1.0)
+    group, out = _waiting_open(kernel)
     group.close()
     kernel.sched.run(2.0)
     assert out["loaded"] == ["nvidia_peermem"]
