@@ -35,7 +35,7 @@ from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
 from nodeagent.host.containers import RootScanner
-from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, readable
+from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, pending
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, RENEW_S, GateFiles
@@ -517,7 +517,7 @@ class Agent:
     def _event_pending(self) -> bool:
         """Did anything that wakes the loop arrive since this pass drained its sources?"""
         try:
-            return bool(readable(self._wake_sources or [self.poke]))
+            return pending(self._wake_sources or [self.poke])
         except (OSError, ValueError):  # a source closed under us: assume the worst
             return True
 
@@ -691,8 +691,8 @@ class Agent:
             self.run_once()
             return
         root = self.host.root
-        watch = FileWatch(root, [self.host.path(d) for d in self.watched_dirs()], self.poke)
-        sources: list[WakeSource] = [self.poke, *self.extra_sources]
+        watch = FileWatch(root, [self.host.path(d) for d in self.watched_dirs()])
+        sources: list[WakeSource] = [self.poke, watch, *self.extra_sources]
         if self.cfg.uevents:
             try:
                 sources.append(UeventSource())

@@ -317,17 +317,16 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
 
 def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
     """Exit 0 once the gate file says open and is recent; 1 on timeout (with the last reason)."""
-    from nodeagent.host.events import FileWatch, Poke, Waker
+    from nodeagent.host.events import FileWatch, Waker
     from nodeagent.host.fs import HostRoot
     from nodeagent.host.gatefile import GateFiles
 
     host = HostRoot(cfg.host_root)
     gates = GateFiles(host, cfg.paths.state_dir)
     deadline = None if timeout is None else time.monotonic() + timeout
-    poke = Poke()
-    watch = FileWatch(host.root, [host.path(cfg.paths.state_dir)], poke)
+    watch = FileWatch(host.root, [host.path(cfg.paths.state_dir)])
     try:
-        waker = Waker([poke])
+        waker = Waker([watch])
         while True:
             reading = gates.read(gate)
             if reading.is_open:
@@ -346,4 +345,3 @@ def cmd_wait(cfg: Config, gate: str, timeout: float | None) -> int:
             watch.refresh()
     finally:
         watch.close()
-        poke.close()

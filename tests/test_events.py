@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, nearest_existing
+from nodeagent.host import events
+from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, nearest_existing, pending
 
 
 def wait_for(waker: Waker, pred, timeout: float = 5.0) -> list[str]:
@@ -29,17 +30,18 @@ def test_nearest_existing_parent(tmp_path: Path) -> None:
 
 
 def test_missing_directory_is_watched_from_its_parent_and_moved_down(tmp_path: Path) -> None:
-    poke = Poke()
     target = tmp_path / "run/mellanox/drivers"
-    watch = FileWatch(tmp_path, [target], poke)
-    waker = Waker([poke])
+    watch = FileWatch(tmp_path, [target])
+    waker = Waker([watch])
     try:
         assert watch.watched == {tmp_path}
         target.mkdir(parents=True)
         seen = wait_for(waker, lambda s: any("run" in x for x in s))
         assert seen, "creating the directory on the way must wake"
-        watch.refresh()
+        assert watch.refresh() == [target]
         assert watch.watched == {target}
+        # What changed before the new watch existed is not lost: the loop passes once more.
+        assert waker.wait(0) == [f"inotify watching {target}"]
         (target / ".driver-ready").write_text("")
         seen = wait_for(waker, lambda s: any(".driver-ready" in x for x in s))
         assert any(".driver-ready" in x for x in seen)
@@ -50,7 +52,74 @@ def test_missing_directory_is_watched_from_its_parent_and_moved_down(tmp_path: P
         assert [r for r in waker.wait(0.3) if r != "resync"] == []
     finally:
         watch.close()
-        poke.close()
+
+
+def test_a_storm_is_one_short_wake_up(tmp_path: Path) -> None:
+    """20k creations and removals in a watched directory: one drain takes them all,
+    a bounded list of descriptions and a count, and nothing is left behind."""
+    target = tmp_path / "validations"
+    target.mkdir()
+    watch = FileWatch(tmp_path, [target])
+    waker = Waker([watch])
+    try:
+        for i in range(10_000):
+            p = target / f"f{i}"
+            p.touch()
+            p.unlink()
+        reasons = waker.wait(1.0)
+        assert len(reasons) <= events.REASONS_MAX + 1
+        assert reasons[0] == f"inotify created {target / 'f0'}"
+        more = [r for r in reasons if r.endswith("more events")]
+        assert more and int(more[0].split()[1]) > 1000, reasons[-2:]
+        assert not watch.has_pending()
+        assert waker.wait(0.05) == ["resync"]
+    finally:
+        watch.close()
+
+
+def test_irrelevant_changes_beside_a_watched_parent_are_not_pending(tmp_path: Path) -> None:
+    """Watched from its parent, a missing target's siblings do not count as an event
+    (a pass would otherwise withdraw its gates for a file it never reads)."""
+    target = tmp_path / "run/mellanox/drivers"
+    (tmp_path / "run").mkdir()
+    watch = FileWatch(tmp_path, [target])
+    try:
+        assert watch.watched == {tmp_path / "run"}
+        (tmp_path / "run/unrelated.pid").write_text("1")
+        time.sleep(0.05)
+        assert not pending([watch])
+        assert watch.drain() == []
+        (tmp_path / "run/mellanox").mkdir()
+        assert pending([watch])
+        assert watch.holds  # read once, kept for the drain
+        assert Waker([watch]).wait(5.0) == [f"inotify created {tmp_path / 'run/mellanox'}"]
+    finally:
+        watch.close()
+
+
+def test_a_watched_directory_removed_wakes_and_is_watched_from_its_parent(tmp_path: Path) -> None:
+    target = tmp_path / "run/nvidia/validations"
+    target.mkdir(parents=True)
+    watch = FileWatch(tmp_path, [target])
+    try:
+        target.rmdir()
+        reasons = Waker([watch]).wait(5.0)
+        assert f"inotify gone {target}" in reasons
+        watch.refresh()
+        assert watch.watched == {tmp_path / "run/nvidia"}
+    finally:
+        watch.close()
+
+
+def test_a_queue_overflow_from_the_kernel_is_a_wake_up(tmp_path: Path) -> None:
+    """The record the kernel queues when it drops events (wd -1, IN_Q_OVERFLOW); a
+    real overflow is provoked in tests/realkernel/test_inotify_overflow_real.py."""
+    watch = FileWatch(tmp_path, [tmp_path])
+    try:
+        watch._take(events.INOTIFY_EVENT.pack(-1, events.IN_Q_OVERFLOW, 0, 0))
+        assert watch.drain() == ["inotify queue overflow: events were lost"]
+    finally:
+        watch.close()
 
 
 def test_poke_wakes_and_reports(tmp_path: Path) -> None:

@@ -24,7 +24,6 @@ from nodeagent.agent import Agent
 from nodeagent.cli import main
 from nodeagent.config import Config
 from nodeagent.host import fs
-from nodeagent.host.events import FileWatch, Poke
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import lease_clock
 from nodeagent.sim.node import GATE, READY
@@ -131,30 +130,6 @@ def test_sigterm_stops_a_daemon_stuck_in_a_pass_within_two_seconds(root: Path) -
             proc.kill()
     assert rc == 128 + signal.SIGTERM
     assert proc.stderr is not None and "did not finish within" in proc.stderr.read().decode()
-
-
-# -- inotify overflow ----------------------------------------------------------------
-
-
-def test_inotify_overflow_wakes_the_loop(tmp_path: Path) -> None:
-    """watchdog drops IN_Q_OVERFLOW for non-recursive watches; ours turns it into a wake-up.
-
-    The overflow is delivered through watchdog's own dispatch (the event the
-    kernel sends: wd -1, IN_Q_OVERFLOW); a real overflow is provoked on the
-    real kernel in tests/realkernel/test_paths_real.py.
-    """
-    from watchdog.observers.inotify_c import InotifyConstants, InotifyEvent
-
-    poke = Poke()
-    watch = FileWatch(tmp_path, [tmp_path / "run"], poke)
-    try:
-        poke.drain()
-        inotify_fd = watch._observer._inotify_fd  # type: ignore[attr-defined]
-        inotify_fd.handle_event(InotifyEvent(-1, InotifyConstants.IN_Q_OVERFLOW, 0, b""))
-        assert any("overflow" in why for why in poke.drain())
-    finally:
-        watch.close()
-        poke.close()
 
 
 # -- paths resolve inside the host root -------------------------------------------

@@ -1,15 +1,17 @@
-"""Wake-ups: inotify (watchdog), kernel uevents (pyudev), a timer, and pokes.
+"""Wake-ups: inotify, kernel uevents (pyudev), a timer, and pokes.
 
 An event only says "look again": the agent re-reads the whole node on every
 pass, so the sources here only need to be prompt, not complete. All sources
-feed one ``select``; whatever arrived while a pass ran is drained at once and
+feed one ``poll``; whatever arrived while a pass ran is drained at once and
 coalesced into the next single pass.
 
+Inotify is a descriptor of the loop's own (ctypes), not watchdog: watchdog
+delivers each event through its own threads and Python callbacks, which under
+a 20k-event storm kept the loop busy a second after the storm ended.
 Directories that do not exist yet are watched from their nearest existing
-parent (watchdog raises on a missing directory); ``refresh()`` moves a watch
-down as directories appear. When the kernel's inotify queue overflows, events
-were lost: that wakes the loop for a full pass at once (watchdog itself only
-rebuilds recursive watches and drops the overflow for ours).
+parent; ``refresh()`` moves a watch down as directories appear. When the
+kernel's inotify queue overflows, events were lost: that wakes the loop for a
+full pass at once.
 
 ``StopOnSignal`` makes SIGTERM stop the daemon within its grace period
 whatever the main thread is doing.
@@ -18,12 +20,15 @@ whatever the main thread is doing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import select
 import signal
+import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,7 +46,7 @@ class WakeSource(Protocol):
 
 
 class Poke:
-    """A self-pipe: any thread may ``poke`` the loop awake (watchdog callbacks, SIGTERM)."""
+    """A self-pipe: any thread may ``poke`` the loop awake (workers, ``stop``, tests)."""
 
     def __init__(self) -> None:
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -92,54 +97,90 @@ def nearest_existing(path: Path, root: Path) -> Path:
     return cur if cur.is_dir() else root
 
 
+# inotify(7): what the agent asks for, and what the kernel says besides.
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
+IN_Q_OVERFLOW, IN_IGNORED, IN_ONLYDIR = 0x4000, 0x8000, 0x01000000
+WATCH_MASK = (
+    IN_MODIFY
+    | IN_ATTRIB
+    | IN_CLOSE_WRITE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_CREATE
+    | IN_DELETE
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+    | IN_ONLYDIR
+)
+_EVENT_WORDS = (
+    (IN_CREATE, "created"),
+    (IN_DELETE, "deleted"),
+    (IN_MOVED_FROM, "moved"),
+    (IN_MOVED_TO, "moved"),
+    (IN_CLOSE_WRITE, "closed"),
+    (IN_MODIFY, "modified"),
+    (IN_ATTRIB, "attrib"),
+)
+INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
+INOTIFY_READ = 64 * 1024
+DRAIN_MAX_BYTES = 4 * 1024 * 1024  # per drain; the rest keeps the descriptor readable
+REASONS_MAX = 16  # descriptions per drain; a storm is one wake-up, not 20k lines
+
+
+def _inotify_libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.inotify_init1.argtypes = [ctypes.c_int]
+    libc.inotify_init1.restype = ctypes.c_int
+    libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+    libc.inotify_add_watch.restype = ctypes.c_int
+    libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.inotify_rm_watch.restype = ctypes.c_int
+    return libc
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """One watched directory: is all of it relevant, or only the names on the way to a target."""
+
+    directory: Path
+    everything: bool
+    on_the_way: frozenset[bytes]
+
+
 class FileWatch:
-    """Inotify (watchdog) on the given directories: any change in them wakes the loop."""
+    """Inotify on the given directories, itself a wake source: the loop polls its descriptor.
 
-    def __init__(self, root: Path, targets: Iterable[Path], poke: Poke) -> None:
-        from watchdog.events import FileSystemEventHandler
-        from watchdog.observers.inotify import InotifyObserver
+    The kernel queues events on one descriptor; ``drain`` reads all of them in
+    a few large reads and keeps only the relevant ones (a handful of
+    descriptions and a count), so a storm of 20k creations is one wake-up and
+    one pass, not 20k callbacks on a thread of their own (watchdog, before,
+    spent ~60 us of Python per event and delivered the last one a second late).
+    ``has_pending`` answers "did anything relevant arrive?" for a pass checking
+    that its decision still stands: it reads what is queued and holds the
+    relevant part for the next ``drain``.
+    """
 
+    def __init__(self, root: Path, targets: Iterable[Path]) -> None:
         self.root = root
         self.targets = [Path(t) for t in targets]
-        self.poke = poke
-        self._observer = InotifyObserver(timeout=0.2)
-        self._watches: dict[Path, Any] = {}
-        outer = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: Any) -> None:
-                if event.event_type in ("opened", "closed_no_write"):
-                    return
-                paths = [event.src_path, getattr(event, "dest_path", "")]
-                if any(p and outer.relevant(Path(os.fsdecode(p))) for p in paths):
-                    outer.poke.poke(f"inotify {event.event_type} {os.fsdecode(event.src_path)}")
-
-        self._handler = Handler()
-        self._observer.start()
-        self._watch_overflow()
+        self._libc = _inotify_libc()
+        fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        self._fd = fd
+        self._by_dir: dict[Path, int] = {}
+        self._by_wd: dict[int, _Watch] = {}
+        self._held: list[str] = []
+        self._held_more = 0
+        self._started = False
         self.refresh()
+        self._started = True
 
-    def _watch_overflow(self) -> None:
-        """Wake the loop when the kernel drops inotify events (IN_Q_OVERFLOW).
-
-        watchdog hands an overflow to the callbacks registered on its inotify
-        descriptor; its own watch groups act on it only when recursive. Ours is
-        registered on the root with IN_MASK_ADD, so it never narrows the mask of
-        a watch watchdog already has there.
-        """
-        from watchdog.observers.inotify_c import InotifyConstants
-
-        inotify_fd = getattr(self._observer, "_inotify_fd", None)
-        if inotify_fd is None:  # a watchdog without a shared inotify descriptor
-            log.warning("inotify overflow is not observable; the periodic resync covers it")
-            return
-        mask = InotifyConstants.IN_DELETE_SELF | InotifyConstants.IN_MASK_ADD
-        try:
-            inotify_fd.add_callback(
-                os.fsencode(self.root), mask, _OverflowAlarm(self.poke), "nodeagent-overflow"
-            )
-        except OSError as exc:
-            log.warning("cannot watch for inotify overflow (%s); the resync covers it", exc)
+    def fileno(self) -> int:
+        return self._fd
 
     def relevant(self, p: Path) -> bool:
         # Something in a target directory, or a directory on the way to one appearing.
@@ -148,41 +189,134 @@ class FileWatch:
     def wanted_dirs(self) -> set[Path]:
         return {nearest_existing(t, self.root) for t in self.targets}
 
-    def refresh(self) -> None:
+    def _watch_for(self, d: Path) -> _Watch:
+        everything = d in self.targets
+        names = {
+            os.fsencode(t.relative_to(d).parts[0])
+            for t in self.targets
+            if t != d and d in t.parents
+        }
+        return _Watch(d, everything, frozenset(names))
+
+    def refresh(self) -> list[Path]:
+        """Move the watches to the nearest existing directories; returns those newly watched.
+
+        A directory watched only now may have changed before its watch: its
+        name is held as a wake-up, so the loop passes once more and misses nothing.
+        """
         wanted = self.wanted_dirs()
-        for d in list(self._watches):
+        for d in list(self._by_dir):
             if d not in wanted or not d.is_dir():
-                with contextlib.suppress(Exception):
-                    self._observer.unschedule(self._watches.pop(d))
-        for d in wanted - set(self._watches):
-            try:
-                self._watches[d] = self._observer.schedule(self._handler, str(d), recursive=False)
-            except OSError as exc:  # vanished between the check and the watch
-                log.debug("cannot watch %s: %s", d, exc)
+                self._unwatch(d)
+        added: list[Path] = []
+        for d in sorted(wanted - set(self._by_dir)):
+            wd = self._libc.inotify_add_watch(self._fd, os.fsencode(d), WATCH_MASK)
+            if wd < 0:  # vanished between the check and the watch
+                log.debug("cannot watch %s: %s", d, os.strerror(ctypes.get_errno()))
+                continue
+            self._by_dir[d] = wd
+            self._by_wd[wd] = self._watch_for(d)
+            added.append(d)
+            if self._started:
+                self._hold(f"inotify watching {d}")
+        return added
+
+    def _unwatch(self, d: Path) -> None:
+        wd = self._by_dir.pop(d)
+        if wd in self._by_dir.values():  # the same inode under another name
+            return
+        self._by_wd.pop(wd, None)
+        self._libc.inotify_rm_watch(self._fd, wd)  # EINVAL if the kernel dropped it: fine
 
     @property
     def watched(self) -> set[Path]:
-        return set(self._watches)
+        return set(self._by_dir)
+
+    def _hold(self, reason: str) -> None:
+        if len(self._held) < REASONS_MAX:
+            self._held.append(reason)
+        else:
+            self._held_more += 1
+
+    def _read_queued(self) -> None:
+        """Everything the kernel queued (up to DRAIN_MAX_BYTES), relevant events held."""
+        if self._fd < 0:
+            return
+        total = 0
+        while total < DRAIN_MAX_BYTES:
+            try:
+                buf = os.read(self._fd, INOTIFY_READ)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._hold(f"inotify read failed ({exc.strerror}): looking again")
+                return
+            if not buf:
+                return
+            total += len(buf)
+            self._take(buf)
+
+    def _take(self, buf: bytes) -> None:
+        off = 0
+        size = INOTIFY_EVENT.size
+        while off + size <= len(buf):
+            wd, mask, _cookie, length = INOTIFY_EVENT.unpack_from(buf, off)
+            name = buf[off + size : off + size + length].rstrip(b"\0")
+            off += size + length
+            if mask & IN_Q_OVERFLOW:
+                self._hold("inotify queue overflow: events were lost")
+                continue
+            watch = self._by_wd.get(wd)
+            if watch is None:
+                continue
+            if mask & (IN_IGNORED | IN_DELETE_SELF | IN_MOVE_SELF):
+                # The watched directory itself went: refresh() watches its parent.
+                self._hold(f"inotify gone {watch.directory}")
+                continue
+            if not (watch.everything or name in watch.on_the_way):
+                continue
+            word = next((w for bit, w in _EVENT_WORDS if mask & bit), "changed")
+            if len(self._held) < REASONS_MAX:
+                self._held.append(f"inotify {word} {watch.directory / os.fsdecode(name)}")
+            else:
+                self._held_more += 1
+
+    @property
+    def holds(self) -> bool:
+        """Relevant events already read from the descriptor, not yet drained."""
+        return bool(self._held or self._held_more)
+
+    def has_pending(self) -> bool:
+        """Is a relevant change queued or held? (An irrelevant one is dropped here.)"""
+        self._read_queued()
+        return self.holds
+
+    def drain(self) -> list[str]:
+        self._read_queued()
+        out, self._held = self._held, []
+        if self._held_more:
+            out.append(f"inotify {self._held_more} more events")
+            self._held_more = 0
+        return out
 
     def close(self) -> None:
-        self._observer.stop()
-        self._observer.join(timeout=1.0)
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-class _OverflowAlarm:
-    """A watchdog WatchCallback that only cares about a queue overflow."""
-
-    def __init__(self, poke: Poke) -> None:
-        self.poke = poke
-
-    def on_event(self, event: Any) -> None:
-        pass
-
-    def on_watch_deleted(self, wd: Any) -> None:
-        pass
-
-    def on_queue_overflow(self) -> None:
-        self.poke.poke("inotify queue overflow: events were lost")
+def pending(sources: Sequence[WakeSource]) -> bool:
+    """Has anything that wakes the loop arrived? Sources that can tell relevant from
+    irrelevant (``has_pending``) say so themselves; the rest count when readable."""
+    plain: list[WakeSource] = []
+    for s in sources:
+        ask = getattr(s, "has_pending", None)
+        if ask is None:
+            plain.append(s)
+        elif ask():
+            return True
+    return bool(plain) and bool(readable(plain))
 
 
 class StopOnSignal:
@@ -294,6 +428,8 @@ class Waker:
     def wait(self, timeout: float | None) -> list[str]:
         if timeout is not None and timeout < 0:
             timeout = 0
+        if any(getattr(s, "holds", False) for s in self.sources):
+            timeout = 0  # a source already read what woke it (``has_pending``)
         ready = readable(self.sources, timeout)
         reasons: list[str] = []
         # Drain every source, not just the ready ones: one pass covers them all.

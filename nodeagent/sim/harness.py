@@ -1,8 +1,8 @@
 """The real agent inside the simulator: its own ``run`` loop in a thread.
 
 The agent is ``nodeagent.agent.Agent`` unchanged in what it does: the same
-loop, the same observer reading the temp host root, real inotify (watchdog)
-on it, enforce mode. What the simulator gives it:
+loop, the same observer reading the temp host root, real inotify on it,
+enforce mode. What the simulator gives it:
 
 - ``SimKernel`` as its module operations and kernel-log reader;
 - the simulated kernel's uevent pipe and a *fence* pipe as extra wake sources;

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.host.events import FileWatch, Poke, Waker
+from nodeagent.host.events import FileWatch, Waker
 
 pytestmark = pytest.mark.realkernel
 LIMIT = Path("/proc/sys/fs/inotify/max_queued_events")
@@ -22,11 +22,10 @@ def test_a_real_queue_overflow_wakes_the_loop(tmp_path: Path) -> None:
     saved = LIMIT.read_text()
     LIMIT.write_text("1\n")
     try:
-        poke = Poke()
-        watch = FileWatch(tmp_path, [tmp_path], poke)
+        watch = FileWatch(tmp_path, [tmp_path])
     finally:
         LIMIT.write_text(saved)
-    waker = Waker([poke])
+    waker = Waker([watch])
     try:
         seen: list[str] = []
         deadline = time.monotonic() + 10
@@ -39,4 +38,3 @@ def test_a_real_queue_overflow_wakes_the_loop(tmp_path: Path) -> None:
         assert any("inotify queue overflow" in s for s in seen), seen[-5:]
     finally:
         watch.close()
-        poke.close()
