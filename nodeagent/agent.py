@@ -737,6 +737,9 @@ class Agent:
                 self._record_holds()
             watch.close()
             self._stop_actions()
+            close_ops = getattr(self.sriov_ops, "close", None)
+            if close_ops is not None:
+                close_ops()  # netlink sockets; one still in a hung call closes when it returns
             self.record({"kind": "stop"})
             self.poke.close()
             self.plans_ended.close()

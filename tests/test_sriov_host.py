@@ -5,9 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -18,7 +19,7 @@ from nodeagent.core.sriov import SriovGuard
 from nodeagent.core.sriov_model import SNAPSHOT_VERSION, SriovObservation
 from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.netlink import parse_vfinfo, write_sysfs
+from nodeagent.host.netlink import PyrouteOps, parse_vfinfo, write_sysfs
 from nodeagent.host.sriov import SriovObserver, SriovStore
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
@@ -377,3 +378,54 @@ def test_parse_vfinfo_maps_netlink_attributes_to_field_names() -> None:
         }
     }
     assert parse_vfinfo(None) == {}
+
+
+class _FakeIPRoute:
+    """Just enough of pyroute2's IPRoute for ``set_vf``: VF 0's write hangs until released."""
+
+    opened: ClassVar[list[_FakeIPRoute]] = []
+
+    def __init__(self, release: threading.Event, entered: threading.Event) -> None:
+        self.release, self.entered = release, entered
+        self.calls: list[int] = []
+        self.closed = False
+        _FakeIPRoute.opened.append(self)
+
+    def link_lookup(self, ifname: str) -> list[int]:
+        return [7]
+
+    def link(self, command: str, index: int, vf: dict[str, Any]) -> None:
+        self.calls.append(vf["vf"])
+        if vf["vf"] == 0:
+            self.entered.set()
+            assert self.release.wait(10)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_hung_netlink_write_holds_only_its_own_socket(tmp_path: Path) -> None:
+    """The real ``PyrouteOps`` with its socket factory replaced: VF 0's write hangs, the
+    other VFs' writes go through other sockets meanwhile (one socket under one lock
+    queued every VF behind the hung one); idle sockets are reused, and closed at close."""
+    release, entered = threading.Event(), threading.Event()
+    _FakeIPRoute.opened.clear()
+    ops = PyrouteOps(HostRoot(str(tmp_path)), connect=lambda: _FakeIPRoute(release, entered))
+    hung = threading.Thread(target=ops.set_vf, args=("pf", 0, {"trust": True}), daemon=True)
+    hung.start()
+    try:
+        assert entered.wait(10)
+        for i in range(1, 6):  # each returns while VF 0's call still hangs
+            ops.set_vf("pf", i, {"trust": True})
+        assert hung.is_alive()
+        assert ops.sockets == (1, 1)  # one idle (reused by VFs 1-5), one in the hung call
+        assert len(_FakeIPRoute.opened) == 2
+        assert _FakeIPRoute.opened[1].calls == [1, 2, 3, 4, 5]
+        ops.close()
+        assert _FakeIPRoute.opened[1].closed and not _FakeIPRoute.opened[0].closed
+    finally:
+        release.set()
+        hung.join(10)
+    assert _FakeIPRoute.opened[0].closed  # closed when its call returned, not kept
+    with pytest.raises(OSError, match="closed"):
+        ops.set_vf("pf", 1, {"trust": True})

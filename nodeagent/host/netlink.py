@@ -16,14 +16,17 @@ the real one, the simulator has its own.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 from nodeagent.host.fs import HostRoot
+
+log = logging.getLogger("nodeagent.netlink")
 
 LINK_STATE_CODES = {"auto": 0, "enable": 1, "disable": 2}
 LINK_STATE_NAMES = {v: k for k, v in LINK_STATE_CODES.items()}
@@ -142,26 +145,58 @@ def parse_vfinfo(vfinfo: Any) -> dict[int, dict[str, Any]]:
 
 
 class PyrouteOps:
-    """``SriovOps`` over one pyroute2 ``IPRoute`` socket (opened lazily, used under a lock)."""
+    """``SriovOps`` over pyroute2 ``IPRoute`` sockets: one per call in flight.
 
-    def __init__(self, host: HostRoot) -> None:
+    A netlink call that hangs (a driver stuck in its VF handler) holds only its
+    own socket: the other VFs' writes open or reuse another, so one slow VF
+    delays no other (a single socket under a lock would queue every VF behind
+    it). Idle sockets are kept for reuse, up to ``IDLE_MAX``; one whose call
+    failed other than with a netlink error reply is closed, not reused.
+    """
+
+    IDLE_MAX = 4
+
+    def __init__(self, host: HostRoot, connect: Callable[[], Any] | None = None) -> None:
         self.host = host
-        self._ipr: Any = None
+        self._connect = connect or _iproute
+        self._idle: list[Any] = []
+        self._busy = 0
         self._lock = threading.Lock()
+        self._closed = False
 
     @contextmanager
     def _ip(self) -> Iterator[Any]:
         with self._lock:
-            if self._ipr is None:
-                from pyroute2 import IPRoute  # imported here: the core path never needs it
-
-                self._ipr = IPRoute()
+            if self._closed:
+                raise OSError(errno.EBADF, "netlink closed: the agent is stopping")
+            ipr = self._idle.pop() if self._idle else None
+            self._busy += 1
+        reuse = False
+        try:
+            if ipr is None:
+                ipr = self._connect()
             try:
-                yield self._ipr
+                yield ipr
+                reuse = True
             except OSError:
                 raise
             except Exception as exc:  # NetlinkError and friends carry an errno as .code
+                reuse = isinstance(getattr(exc, "code", None), int)
                 raise _oserror(exc) from None
+        finally:
+            with self._lock:
+                self._busy -= 1
+                keep = reuse and not self._closed and len(self._idle) < self.IDLE_MAX
+                if keep:
+                    self._idle.append(ipr)
+            if ipr is not None and not keep:
+                _close_quietly(ipr)
+
+    @property
+    def sockets(self) -> tuple[int, int]:
+        """(idle, in use): for tests and status."""
+        with self._lock:
+            return len(self._idle), self._busy
 
     def _index(self, ipr: Any, ifname: str) -> int:
         found = ipr.link_lookup(ifname=ifname)
@@ -206,10 +241,25 @@ class PyrouteOps:
         write_sysfs(self.host, f"sys/bus/pci/devices/{pf_pci}/sriov_numvfs", f"{int(numvfs)}\n")
 
     def close(self) -> None:
+        """Close the idle sockets; one still in a call is closed when the call returns."""
         with self._lock:
-            if self._ipr is not None:
-                self._ipr.close()
-                self._ipr = None
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for ipr in idle:
+            _close_quietly(ipr)
+
+
+def _iproute() -> Any:
+    from pyroute2 import IPRoute  # imported here: the core path never needs it
+
+    return IPRoute()
+
+
+def _close_quietly(ipr: Any) -> None:
+    try:
+        ipr.close()
+    except Exception as exc:  # a socket that will not close is still dropped
+        log.debug("closing a netlink socket: %s", exc)
 
 
 def write_sysfs(host: HostRoot, rel: str, text: str) -> None:
