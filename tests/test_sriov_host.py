@@ -101,6 +101,101 @@ def test_malformed_sysfs_values_are_problems_not_crashes(
     assert problem in pf.problems[0]
 
 
+BAD_COUNTS = ["four", "-1", "+4", "\u0664", "4\0", "1" + "0" * 30]
+
+
+def _plant(f: Path, how: str) -> None:
+    if how == "missing":
+        f.unlink()
+    elif how == "fifo":
+        f.unlink()
+        os.mkfifo(f)
+    elif how == "directory":
+        f.unlink()
+        f.mkdir()
+    elif how == "link-out":
+        f.unlink()
+        f.symlink_to("/etc/hostname")  # resolved inside the root: not there
+    else:
+        f.write_text(how + "\n")
+
+
+def _first_vf_ifindex(k: SimKernel) -> Path:
+    vf = k.pfs[PF].vfs[0]
+    (netdev,) = os.listdir(k.root / k.PCI_PARENT / vf.pci / "net")
+    return k.root / k.PCI_PARENT / vf.pci / "net" / netdev / "ifindex"
+
+
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [
+        (w, h)
+        for w in ("sriov_numvfs", "sriov_totalvfs")
+        for h in [*BAD_COUNTS, "65536", "missing", "fifo", "directory", "link-out"]
+    ]
+    + [("ifindex", h) for h in [*BAD_COUNTS, "missing", "fifo", "directory", "link-out"]],
+)
+def test_a_pf_never_snapshotted_that_reads_badly_is_named_and_not_ok(
+    kernel: SimKernel, where: str, how: str
+) -> None:
+    """Before its first snapshot, a PF whose count or a VF's ifindex is missing, malformed
+    or unreadable is not guarded: the verdict says so (``unknown``, not ok) and names the
+    file, instead of a silent ``stable`` with nothing saved."""
+    dev = kernel.root / kernel.PCI_PARENT / PF_PCI
+    f = _first_vf_ifindex(kernel) if where == "ifindex" else dev / where
+    _plant(f, how)
+    obs = observer(kernel).observe()
+    d = SriovGuard().decide(mofed_ready_snapshot(10.0, obs), SriovGuard().initial_memory())
+    assert (d.verdict.verdict, d.verdict.ok) == ("unknown", False)
+    assert PF_PCI not in d.memory.pfs  # nothing saved from a bad read
+    (reason,) = d.verdict.reasons
+    assert reason.startswith(f"PF {PF_PCI} not guarded: read failed: ")
+    assert f"/{where} " in reason
+    assert d.verdict.evidence["unguarded"][PF_PCI]
+
+
+def test_a_large_ifindex_is_an_ifindex(kernel: SimKernel) -> None:
+    """65536 is past a VF count, not past an ifindex (a busy node's veths get there)."""
+    _plant(_first_vf_ifindex(kernel), "65536")
+    obs = observer(kernel).observe()
+    assert not obs.pfs[PF_PCI].problems and not obs.pfs[PF_PCI].vfs[0].problems
+    assert obs.pfs[PF_PCI].vfs[0].netdev_ident == 65536
+
+
+@pytest.mark.parametrize("how", ["fifo", "file", "loop"])
+def test_an_unreadable_pci_device_list_blinds_the_guard_and_judges_no_pf_gone(
+    kernel: SimKernel, how: str
+) -> None:
+    guard = SriovGuard()
+    first = guard.decide(
+        mofed_ready_snapshot(10.0, observer(kernel).observe()), guard.initial_memory()
+    )
+    assert first.memory.pfs[PF_PCI].phase == "stable"
+    devices = kernel.root / "sys/bus/pci/devices"
+    devices.rename(devices.with_name("devices-away"))
+    if how == "fifo":
+        os.mkfifo(devices)
+    elif how == "file":
+        devices.write_text("")
+    else:
+        devices.symlink_to("devices")
+    obs = observer(kernel).observe()
+    assert obs.blind and not obs.pfs
+    d = guard.decide(mofed_ready_snapshot(20.0, obs), first.memory)
+    assert (d.verdict.verdict, d.verdict.ok) == ("unknown", False)
+    assert "sys/bus/pci/devices" in d.verdict.reasons[0]
+    assert d.memory == first.memory and not d.actions  # no PF judged gone from it
+
+
+def test_a_fifo_for_the_cni_cache_is_a_problem_not_an_empty_cache(kernel: SimKernel) -> None:
+    cache = kernel.root / "var/lib/cni/sriov"
+    cache.parent.mkdir(parents=True)
+    os.mkfifo(cache)
+    obs = observer(kernel).observe()
+    assert obs.attachments == ()
+    assert any(p.startswith("var/lib/cni/sriov unreadable") for p in obs.problems), obs.problems
+
+
 def test_a_pf_linked_out_of_the_root_is_read_and_written_inside_it(
     kernel: SimKernel, tmp_path: Path
 ) -> None:

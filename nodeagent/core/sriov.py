@@ -63,6 +63,9 @@ from nodeagent.core.telemetry import MetricFamily, Sample
 GUARD = "sriov"
 Phase = Literal["stable", "disrupted", "restoring", "restored", "degraded"]
 PHASES: tuple[Phase, ...] = ("stable", "restored", "disrupted", "restoring", "degraded")
+# The guard's words: a PF's phase, or ``unknown`` while a PF could not be read before it
+# was ever snapshotted, or no PF could be seen at all (not ok: nothing guards those VFs).
+VERDICTS: tuple[str, ...] = (*PHASES, "unknown")
 NUMVFS_OWNERS = ("agent", "sriov-operator", "mofed")
 VfStatus = Literal["waiting", "restored", "failed"]
 ZERO_MAC = "00:00:00:00:00:00"
@@ -656,7 +659,7 @@ METRIC_FAMILIES = (
 class SriovGuard:
     name = GUARD
     gate = False  # it reports; nothing waits on it
-    verdict_words = PHASES
+    verdict_words = VERDICTS
     metric_families = METRIC_FAMILIES
 
     def __init__(self, policy: SriovPolicy | None = None, paths: HostPaths | None = None) -> None:
@@ -700,6 +703,8 @@ class SriovGuard:
     def decide(self, snap: NodeSnapshot, memory: SriovMemory) -> GuardDecision[SriovMemory]:
         p = _Pass(snap, self.policy, self.mofed)
         obs_pfs = snap.sriov.pfs
+        if snap.sriov.blind:  # no PF seen: none is judged gone, nothing is done
+            return GuardDecision(verdict=self.verdict(snap, memory), actions=(), memory=memory)
         pfs = dict(memory.pfs)
         for pci, saved in snap.sriov.persisted.pfs.items():
             if pci not in pfs:
@@ -738,17 +743,33 @@ class SriovGuard:
                 for i, r in failed:
                     sv = mem.saved.vf(i)
                     reasons.append(f"PF {pci} VF {i} ({sv.pci if sv else '?'}): {r.error}")
-        state = _overall(memory)
-        problems = [*snap.sriov.problems]
+        for b in snap.sriov.blind:
+            reasons.append(f"SR-IOV PFs not seen ({b}): no VF is guarded until they are")
+        unguarded = {
+            pci: list(bad)
+            for pci, obs in sorted(snap.sriov.pfs.items())
+            if pci not in memory.pfs and (bad := read_problems(obs))
+        }
+        for pci, failed_reads in unguarded.items():
+            more = f" (+{len(failed_reads) - 2} more)" if len(failed_reads) > 2 else ""
+            reasons.append(
+                f"PF {pci} not guarded: read failed: {'; '.join(failed_reads[:2])}{more}"
+            )
+        state: str = _overall(memory)
+        if (snap.sriov.blind or unguarded) and state != "degraded":
+            state = "unknown"
+        problems = [*snap.sriov.blind, *snap.sriov.problems]
         if snap.sriov.persisted.problem:
             problems.append(snap.sriov.persisted.problem)
         evidence: dict[str, Any] = {"state": state, "pfs": pfs_ev}
+        if unguarded:
+            evidence["unguarded"] = unguarded
         if problems:
             evidence["problems"] = problems
         return Verdict(
             guard=GUARD,
             verdict=state,
-            ok=state != "degraded",
+            ok=state not in ("degraded", "unknown"),
             reasons=tuple(reasons),
             evidence=evidence,
         )

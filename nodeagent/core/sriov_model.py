@@ -217,6 +217,9 @@ class SriovObservation:
     attachments: tuple[CniAttachment, ...] = ()
     persisted: PersistedSnapshot = field(default_factory=PersistedSnapshot)
     problems: tuple[str, ...] = ()
+    # What kept the guard from seeing PFs at all (the PCI device list unreadable): no PF
+    # is judged gone from this read, and the guard is not ok.
+    blind: tuple[str, ...] = ()
 
 
 EMPTY_SRIOV = SriovObservation()

@@ -298,9 +298,10 @@ class HostRoot:
             os.close(fd)
 
     def listing(self, rel: str, problems: list[str]) -> list[str]:
-        """``listdir``, with an unreadable directory (a symlink loop, a file) as a problem."""
+        """``listdir``, with an unreadable directory (a symlink loop, a file, a FIFO) as a
+        problem; a missing one is empty."""
         try:
-            return self.listdir(rel)
+            return self.listdir(rel, strict=True)
         except (OSError, NodeagentError) as exc:
             problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
             return []

@@ -48,6 +48,7 @@ from nodeagent.host.state import strict_json
 PCI_DEVICES = "sys/bus/pci/devices"
 SNAPSHOT_REL = "var/lib/nodeagent/sriov.json"
 CNI_CACHE_REL = "var/lib/cni/sriov"
+IFINDEX_MAX = 2**31 - 1  # a positive int in the kernel: 65536 is a valid one on a busy node
 
 
 class Sysfs:
@@ -102,19 +103,24 @@ class Sysfs:
     def exists(self, rel: str) -> bool:
         return self._stat(rel) is not None
 
-    def read_count(self, rel: str, problems: list[str]) -> int | None:
-        """A VF count: non-blocking, regular files only, at most ``MAX_VFS``."""
+    def read_count(
+        self, rel: str, problems: list[str], *, most: int = MAX_VFS, what: str = "a VF count"
+    ) -> int | None:
+        """A decimal count in ``0..most``: non-blocking, regular files only. Missing,
+        unreadable or malformed, it is a problem (the kernel always writes these)."""
         try:
-            raw = self.host.read_text(rel, 64).strip()
+            raw = self.host.read_text(rel, 64)
         except FileNotFoundError:
+            problems.append(f"{rel} missing")
             return None
         except (OSError, NodeagentError) as exc:
             problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
             return None
-        if not is_decimal(raw) or int(raw) > MAX_VFS:
-            problems.append(f"{rel} is {raw[:20]!r}, not a VF count (0..{MAX_VFS})")
+        text = raw[:-1] if raw.endswith("\n") else raw  # sysfs: digits and one newline
+        if not is_decimal(text) or len(text) > 10 or int(text) > most:
+            problems.append(f"{rel} is {text[:20]!r}, not {what} (0..{most})")
             return None
-        return int(raw)
+        return int(text)
 
 
 def _clean(
@@ -155,9 +161,13 @@ class SriovObserver:
         pfs: dict[str, PfSnapshot] = {}
         links: dict[str, dict[str, Any]] | None = None
         dumped = False
-        for pci in self.sys.listdir(PCI_DEVICES):
+        blind: list[str] = []
+        for pci in self._devices(blind):
             dev = f"{PCI_DEVICES}/{pci}"
-            if not self.sys.exists(f"{dev}/sriov_totalvfs"):
+            # A PF has both; one of them missing is a PF read badly, not a plain device.
+            if not (
+                self.sys.exists(f"{dev}/sriov_totalvfs") or self.sys.exists(f"{dev}/sriov_numvfs")
+            ):
                 continue
             if not dumped:
                 links, dumped = self._links(problems), True
@@ -167,7 +177,21 @@ class SriovObserver:
             attachments=self.read_cni_cache(problems) if pfs else (),
             persisted=self.store.load(),
             problems=tuple(problems),
+            blind=tuple(blind),
         )
+
+    def _devices(self, blind: list[str]) -> list[str]:
+        """The PCI device list; unreadable, a problem that blinds the guard. A root with no
+        PCI bus at all (``sys/bus/pci`` absent) has no PFs: nothing to guard."""
+        if not self.sys.exists(PCI_DEVICES):
+            if self.sys.exists("sys/bus/pci"):
+                blind.append(f"{PCI_DEVICES} missing")
+            return []
+        try:
+            return self.host.listdir(PCI_DEVICES, strict=True)
+        except (OSError, NodeagentError) as exc:
+            blind.append(f"{PCI_DEVICES} unreadable: {getattr(exc, 'strerror', None) or exc}")
+            return []
 
     def _links(self, problems: list[str]) -> dict[str, dict[str, Any]] | None:
         """Every host netdev's settings; None when they could not be read."""
@@ -211,7 +235,9 @@ class SriovObserver:
             settings, bad = _clean(vf_settings.get(i, {}), PF_SIDE, where)
             netdev_ident = None
             if vdev and vf_netdev:
-                netdev_ident = sysfs.read_count(f"{vdev}/net/{vf_netdev}/ifindex", bad)
+                netdev_ident = sysfs.read_count(
+                    f"{vdev}/net/{vf_netdev}/ifindex", bad, most=IFINDEX_MAX, what="an ifindex"
+                )
             if vf_netdev is not None and links is None:
                 bad.append(f"{where}: settings of its netdev {vf_netdev} not read (no link dump)")
             elif vf_netdev is not None and links is not None and vf_netdev in links:

@@ -58,9 +58,14 @@ class FileKernel:
         d = self.sys / info.name
         if d.exists():
             raise ModuleOpError("load", name, errno.EEXIST)
-        (d / "holders").mkdir(parents=True)
-        (d / "refcnt").write_text("0\n")
-        (d / "initstate").write_text("live\n")
+        # Built aside and renamed in: a kill mid-load leaves no half module (the kernel's
+        # own load is atomic as seen from sysfs; a torn fake would test the fake).
+        new = self.sys / f".loading-{info.name}"
+        shutil.rmtree(new, ignore_errors=True)
+        (new / "holders").mkdir(parents=True)
+        (new / "refcnt").write_text("0\n")
+        (new / "initstate").write_text("live\n")
+        new.rename(d)
         self.on_effect()
 
     def insert_file(self, path: str, params: Sequence[str]) -> None:
@@ -70,7 +75,9 @@ class FileKernel:
         d = self.sys / name
         if not d.exists():
             raise ModuleOpError("unload", name, errno.ENOENT)
-        shutil.rmtree(d)
+        gone = self.sys / f".unloading-{name}"
+        d.rename(gone)  # one step, as the kernel's: no module left without its refcnt
+        shutil.rmtree(gone)
         self.on_effect()
 
     def probe(self, name: str, moddir: str, params: Sequence[str] = ()) -> None:
