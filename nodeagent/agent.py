@@ -559,7 +559,12 @@ class Agent:
             self._bookkeeping_failed("SR-IOV snapshot write failed", exc, vouch=True)
 
     def _save_memory(self, memory: AgentMemory) -> None:
-        doc = self.reconciler.memory_to_json(memory)
+        doc, refused = self.reconciler.memory_to_save(memory, self._saved_memory)
+        for guard, problem in refused.items():
+            log.error(problem)
+            self._pass_problems.append(problem)
+            if guard in self.reconciler.gates:
+                self._can_vouch = False  # a gate's memory the next start would not have
         if doc == self._saved_memory and self.state.memory_intact():
             return
         try:

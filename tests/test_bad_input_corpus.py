@@ -399,6 +399,7 @@ CASES = [
     check("state-stale-flag-memory-closes", peer_memory(restart_pending=True, stale_flag=[0, 0, 0]), "open"),
     check("state-storage-retry-at-nan-text", guard_memory("storage", retry_at="nan"), "open", "retry_at is 'nan', not a finite time", "that guard starts fresh"),
     check("state-storage-failures-fraction", guard_memory("storage", failures=1.5), "open", "failures is 1.5, not a count"),
+    check("state-storage-removed-not-a-module", guard_memory("storage", removed=["../../x"]), "open", "removed is not a list of module names", "that guard starts fresh"),
     check("state-sriov-pfs-null", guard_memory("sriov", pfs=None), "open", "pfs is not an object", "that guard starts fresh"),
     check("state-sriov-restores-list", guard_memory("sriov", pfs={PF: {"saved": SAVED_PF, "phase": "stable", "restores": [1]}}), "open", "restores is not an object"),
     check("state-sriov-attempts-text", guard_memory("sriov", pfs={PF: {"saved": SAVED_PF, "phase": "restoring", "restores": {"0": {"status": "waiting", "attempts": "2"}}}}), "open", "attempts is '2', not a count"),

@@ -374,6 +374,25 @@ def saved_pfs(k: SimKernel) -> dict[str, Any]:
     return {PF_PCI: saved_from_observed(obs.pfs[PF_PCI], obs.attachments, 1.0)}
 
 
+def test_the_store_writes_only_what_its_reader_accepts(kernel: SimKernel) -> None:
+    """A snapshot the next start would refuse is not written: the error names the value,
+    and the file keeps the last good snapshot."""
+    from dataclasses import replace
+
+    from nodeagent.errors import NodeagentError
+
+    store = SriovStore(HostRoot(kernel.root))
+    good = saved_pfs(kernel)
+    assert store.save(good)
+    written = (kernel.root / "var/lib/nodeagent/sriov.json").read_bytes()
+    pf = good[PF_PCI]
+    bad = {PF_PCI: replace(pf, vfs=(replace(pf.vfs[0], pci=".."), *pf.vfs[1:]))}
+    with pytest.raises(NodeagentError, match=r"would be refused on restart .*'\.\.' is not a PCI"):
+        store.save(bad)
+    assert (kernel.root / "var/lib/nodeagent/sriov.json").read_bytes() == written
+    assert SriovStore(HostRoot(kernel.root)).load().pfs == good
+
+
 def test_store_writes_only_on_change_and_never_an_empty_snapshot(kernel: SimKernel) -> None:
     store = SriovStore(HostRoot(kernel.root))
     path = kernel.root / "var/lib/nodeagent/sriov.json"

@@ -10,13 +10,14 @@ in the CLI, not here). A second agent starts on the same root.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nodeagent.agent import Agent
+from nodeagent.agent import Agent, PassResult
 from nodeagent.config import Config
 from nodeagent.core.sriov import SriovMemory, SriovPolicy
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel, VfConfig
@@ -184,3 +185,39 @@ def test_a_restart_in_the_middle_of_a_vf_restore_finishes_it_from_the_saved_snap
         thaw.set()
         first.stop()
         first_thread.join(10)
+
+
+def once(k: SimKernel) -> tuple[Agent, PassResult]:
+    """A fresh agent (a start) on the node, one pass with its plans carried out."""
+    cfg = Config(
+        host_root=str(k.root),
+        mode="enforce",
+        uevents=False,
+        policies={"sriov": SriovPolicy(numvfs_owner="mofed")},
+    )
+    agent = Agent(cfg, module_ops=k, kernel_log=k.kernel_messages, sriov_ops=SimSriovOps(k))
+    result = agent.run_once()
+    agent.close()
+    return agent, result
+
+
+def test_a_virtfn_link_that_is_not_a_pci_device_is_never_persisted(tmp_path: Path) -> None:
+    """``virtfn0 -> ../..``: the VF is read with a problem, not saved as '..'. Before, the
+    agent wrote it to sriov.json, refused its own file on restart and set it aside,
+    losing every saved VF config."""
+    k, _want = build(tmp_path)
+    first, _ = once(k)
+    before = saved_settings(first)
+    assert before is not None and len(before) == N
+    link = k.root / k.PCI_PARENT / PF_PCI / "virtfn0"
+    link.unlink()
+    link.symlink_to("../..")
+    _, bad = once(k)
+    (vf0,) = [v for v in bad.snapshot.sriov.pfs[PF_PCI].vfs if v.index == 0]
+    assert vf0.pci is None and "links to '..', not a PCI device" in vf0.problems[0]
+    again, result = once(k)  # the restart
+    assert result.snapshot.sriov.persisted.problem is None
+    assert saved_settings(again) == before
+    saved = json.loads((k.root / "var/lib/nodeagent/sriov.json").read_text())
+    assert saved["pfs"][0]["vfs"][0]["pci"] == k.pfs[PF].vfs[0].pci
+    assert not list((k.root / "var/lib/nodeagent").glob("sriov.json.*"))  # nothing set aside

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
 import pytest
 
@@ -434,3 +435,27 @@ def test_an_unreadable_lock_table_with_the_flag_absent_is_not_clear() -> None:
         unread(node(*INBOX, *CHAIN, ready=True), "locks", locks), GUARD.initial_memory()
     )
     assert (d.verdict.verdict, d.verdict.ok) == ("clear", True)
+
+
+def test_memory_a_restart_would_refuse_is_not_saved_and_the_last_good_part_is_kept() -> None:
+    """The reconciler reads each changed part back with its guard's own reader before it
+    is written: a refused part keeps what was saved before, and says why, by guard."""
+    from nodeagent.core.reconcile import Reconciler
+
+    guard = StorageGuard(StoragePolicy())
+    rec = Reconciler([guard])
+    good = rec.initial_memory()
+    doc, refused = rec.memory_to_save(good, None)
+    assert refused == {} and doc["storage"] == guard.memory_to_json(good["storage"])
+
+    class Refusing(StorageGuard):
+        def memory_to_json(self, memory: Any) -> dict[str, Any]:
+            return {**super().memory_to_json(memory), "removed": ["not a module!"]}
+
+    rec2 = Reconciler([Refusing(StoragePolicy())])
+    doc2, refused2 = rec2.memory_to_save(good, doc)
+    assert list(refused2) == ["storage"]
+    assert "storage memory not saved: a restart would refuse it" in refused2["storage"]
+    assert doc2["storage"] == doc["storage"]  # the last good part
+    doc3, _ = rec2.memory_to_save(good, None)
+    assert "storage" not in doc3  # nothing good yet: that guard starts fresh, as it would

@@ -7,6 +7,7 @@ carries out each guard's plan. The guards come from the one list in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,33 @@ class Reconciler:
 
     def memory_to_json(self, memory: AgentMemory) -> dict[str, Any]:
         return {name: g.memory_to_json(memory[name]) for name, g in self.guards.items()}
+
+    def memory_to_save(
+        self, memory: AgentMemory, last: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The memory document to write, each changed part read back first with its guard's
+        own reader: a part the next start would refuse (and start that guard fresh) is not
+        written; ``last`` (what was written before) keeps that guard's part. Returns the
+        document and, per guard refused, one line saying why."""
+        doc: dict[str, Any] = {}
+        problems: dict[str, str] = {}
+        for name, g in self.guards.items():
+            part = g.memory_to_json(memory[name])
+            if last is not None and last.get(name) == part:
+                doc[name] = part
+                continue
+            try:
+                g.memory_from_json(json.loads(json.dumps(part, default=str)))
+            except Exception as exc:  # any refusal, as memory_from_json handles it on start
+                problems[name] = (
+                    f"{name} memory not saved: a restart would refuse it ({exc}); "
+                    "the last one saved is kept"
+                )
+                if last is not None and name in last:
+                    doc[name] = last[name]
+                continue
+            doc[name] = part
+        return doc, problems
 
     def memory_from_json(self, data: Mapping[str, Any]) -> tuple[AgentMemory, list[str]]:
         """Memory per guard; a guard whose saved memory is bad starts fresh (reported)."""

@@ -114,8 +114,13 @@ def check_settings(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def is_pci_address(v: object) -> bool:
+    """dddd[dddd]:bb:dd.f, lower case, as sysfs names PCI functions."""
+    return isinstance(v, str) and _PCI.fullmatch(v) is not None
+
+
 def check_pci(v: Any, where: str) -> str:
-    if not isinstance(v, str) or not _PCI.fullmatch(v):
+    if not is_pci_address(v):
         raise SriovValueError(f"{where}: {v!r} is not a PCI address (dddd[dddd]:bb:dd.f)")
     return v
 

@@ -48,6 +48,7 @@ from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, count_fi
 from nodeagent.core.identity import module_evidence
 from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_order
 from nodeagent.core.mofed import pending_signals
+from nodeagent.core.names import is_module_name
 from nodeagent.core.needs import HOST_TREE, Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import LoadedModule, NodeSnapshot, NvmeController, NvmetPort
@@ -220,7 +221,7 @@ class StorageGuard:
     def memory_from_json(self, data: Mapping[str, Any]) -> StorageMemory:
         try:
             removed = data.get("removed", [])
-            if not isinstance(removed, list) or not all(isinstance(m, str) for m in removed):
+            if not isinstance(removed, list) or not all(is_module_name(m) for m in removed):
                 raise ValueError("removed is not a list of module names")
             for key in ("flag_seen", "flag_removed", "holding"):
                 if not isinstance(data.get(key, False), bool):

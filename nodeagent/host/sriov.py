@@ -37,6 +37,7 @@ from nodeagent.core.sriov_model import (
     SriovObservation,
     SriovValueError,
     VfSnapshot,
+    is_pci_address,
     snapshot_from_json,
     snapshot_to_json,
 )
@@ -138,6 +139,15 @@ def _clean(
     return out, problems
 
 
+def _pci_or_problem(name: str | None, rel: str, problems: list[str]) -> str | None:
+    """A VF's PCI address from its ``virtfnN`` link, checked as the snapshot's reader
+    checks it: anything else (``../..``) is a problem, never a name saved and refused later."""
+    if name is None or is_pci_address(name):
+        return name
+    problems.append(f"{rel} links to {name[:40]!r}, not a PCI device")
+    return None
+
+
 class SriovObserver:
     def __init__(
         self,
@@ -164,6 +174,10 @@ class SriovObserver:
         blind: list[str] = []
         for pci in self._devices(blind):
             dev = f"{PCI_DEVICES}/{pci}"
+            if not is_pci_address(pci):  # the kernel names them so: nothing else is a PF
+                if self.sys.exists(f"{dev}/sriov_totalvfs"):
+                    problems.append(f"{dev[:80]}: not a PCI address; not read as a PF")
+                continue
             # A PF has both; one of them missing is a PF read badly, not a plain device.
             if not (
                 self.sys.exists(f"{dev}/sriov_totalvfs") or self.sys.exists(f"{dev}/sriov_numvfs")
@@ -220,19 +234,25 @@ class SriovObserver:
                 problems.append(f"VF settings of {netdev} unreadable: {exc.strerror or exc}")
         elif netdev is not None:
             problems.append("no netlink: VF settings not read")
-        indexes = sorted(
-            int(n[len("virtfn") :])
-            for n in sysfs.listdir(dev)
-            if n.startswith("virtfn") and is_decimal(n[len("virtfn") :])
-        )
+        indexes = []
+        for n in sysfs.listdir(dev):
+            suffix = n[len("virtfn") :]
+            if not n.startswith("virtfn") or not is_decimal(suffix):
+                continue
+            if len(suffix) > 5 or int(suffix) >= MAX_VFS:
+                problems.append(f"{dev}/{n[:24]}: not a VF index (0..{MAX_VFS - 1})")
+                continue
+            indexes.append(int(suffix))
         vfs = []
-        for i in indexes:
-            vf_pci = sysfs.link_name(f"{dev}/virtfn{i}")
+        for i in sorted(indexes):
+            where = f"VF {i}"
+            bad: list[str] = []
+            vf_pci = _pci_or_problem(sysfs.link_name(f"{dev}/virtfn{i}"), f"{dev}/virtfn{i}", bad)
             vdev = f"{PCI_DEVICES}/{vf_pci}" if vf_pci else None
             vf_driver = sysfs.link_name(f"{vdev}/driver") if vdev else None
             vf_netdev = sysfs.first_netdev(vdev) if vdev else None
-            where = f"VF {i}"
-            settings, bad = _clean(vf_settings.get(i, {}), PF_SIDE, where)
+            settings, bad_settings = _clean(vf_settings.get(i, {}), PF_SIDE, where)
+            bad += bad_settings
             netdev_ident = None
             if vdev and vf_netdev:
                 netdev_ident = sysfs.read_count(
@@ -278,6 +298,9 @@ class SriovObserver:
                 continue
             if not isinstance(conf, dict) or not isinstance(conf.get("deviceID"), str):
                 problems.append(f"{rel}: sriov-cni cache entry without a deviceID")
+                continue
+            if not is_pci_address(conf["deviceID"]):
+                problems.append(f"{rel}: deviceID {conf['deviceID'][:40]!r} is not a PCI address")
                 continue
             container, _, ifname = name.rpartition("-")
             out.append(
@@ -352,6 +375,13 @@ class SriovStore:
         if data == self._written:
             self._saved_pfs = dict(pfs)
             return False
+        try:  # what is written is what a restart accepts: read back with the reader's rules
+            snapshot_from_json(json.loads(data))
+        except SriovValueError as exc:
+            raise NodeagentError(
+                f"{self.rel} not written, it would be refused on restart ({exc}); "
+                "the file keeps the last good snapshot"
+            ) from None
         self.host.write_atomic(self.rel, data)
         self._written = data
         self._saved_pfs = dict(pfs)
