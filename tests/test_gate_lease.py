@@ -227,7 +227,8 @@ def test_a_symlinked_state_dir_is_not_followed_and_its_gate_reads_closed(
     root, _agent = running
     state = root / "run/nodeagent"
     elsewhere = root / "elsewhere"
-    shutil.copytree(state, elsewhere)
+    # (the agent's atomic writes come and go as .tmp files while it runs: not copied)
+    shutil.copytree(state, elsewhere, ignore=shutil.ignore_patterns(".*.tmp.*"))
     moved = root / "run/nodeagent.real"
     os.rename(state, moved)
     os.symlink(elsewhere, state)  # an open gate file, behind a symlink

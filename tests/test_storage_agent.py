@@ -13,6 +13,7 @@ import pytest
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
+from nodeagent.core.guard import Verdict
 
 HOLD = "etc/modprobe.d/nodeagent-storage-hold.conf"
 LOCK = "run/mellanox/drivers/.lock"
@@ -38,6 +39,17 @@ class Kernel:
         (d / "holders").rmdir()
         d.rmdir()
         self.removed.append(name)
+
+
+def storage_pass(root: Path) -> tuple[Verdict, Kernel]:
+    """One enforce-mode pass of a fresh agent: the storage verdict, and what it removed."""
+    kernel = Kernel(root)
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+    return agent.run_once(["start"]).verdicts["storage"], kernel
 
 
 MOUNTINFO = "proc/1/mountinfo"
@@ -223,13 +235,7 @@ def test_an_unreadable_user_source_keeps_the_module_loaded(
     lay_out(root)
     if broken:
         break_it(root)
-    kernel = Kernel(root)
-    agent = Agent(
-        Config(host_root=str(root), mode="enforce", uevents=False),
-        module_ops=kernel,  # type: ignore[arg-type]
-        kernel_log=lambda m: [],
-    )
-    verdict = agent.run_once(["start"]).verdicts["storage"]
+    verdict, kernel = storage_pass(root)
     if not broken:  # the control: the same node, read cleanly, has the module removed
         assert verdict.verdict == "blocking" and kernel.removed == [module]
         return
@@ -237,3 +243,87 @@ def test_an_unreadable_user_source_keeps_the_module_loaded(
     assert not (root / HOLD).exists()
     (why,) = [r for r in verdict.reasons if r.startswith(f"cannot tell whether {module}")]
     assert names in why and why.endswith("; not removing")
+
+
+def symlinked(rel: str) -> Callable[[Path], None]:
+    def go(root: Path) -> None:
+        real = root / f"{rel}-real"
+        (root / rel).rename(real)
+        (root / rel).symlink_to(real.name)  # the same locked file, one link away
+
+    return go
+
+
+MOFED_DIR = "run/mellanox/drivers"
+READY = f"{MOFED_DIR}/.driver-ready"
+
+
+def ready_as(kind: str) -> Callable[[Path], None]:
+    """MOFED's lock not held (with it held, MOFED is pending whatever the flag is)."""
+
+    def go(root: Path) -> None:
+        (root / "proc/locks").write_text("")
+        (root / f"{MOFED_DIR}/flag-real").touch()
+        if kind == "symlink":
+            (root / READY).symlink_to("flag-real")
+        else:
+            (root / READY).mkdir()
+
+    return go
+
+
+# What breaks the agent's reading of MOFED's own markers, and what the reason names.
+UNREADABLE_MOFED = [
+    pytest.param(symlinked(LOCK), f"{LOCK} is a symlink", id="lock-symlink"),
+    pytest.param(as_directory(LOCK), f"{LOCK} is a directory", id="lock-directory"),
+    pytest.param(fifo_for_dir(MOFED_DIR), "cannot open its directory", id="mofed-dir-fifo"),
+    pytest.param(ready_as("symlink"), f"{READY} is a symlink", id="ready-symlink"),
+    pytest.param(ready_as("directory"), f"{READY} is a directory", id="ready-directory"),
+]
+
+
+@pytest.mark.parametrize(("break_it", "names"), UNREADABLE_MOFED)
+def test_a_mofed_marker_that_cannot_be_read_is_unknown_never_clear(
+    tmp_path: Path, break_it: Callable[[Path], None], names: str
+) -> None:
+    """MOFED's lock held (the control, read cleanly, removes rpcrdma) but its lock, its
+    ready flag or its directory unreadable: whether MOFED is installing cannot be told,
+    so nothing is removed and the verdict is ``unknown``, not ``clear``."""
+    root = node(tmp_path)
+    break_it(root)
+    verdict, kernel = storage_pass(root)
+    assert (verdict.verdict, verdict.ok, kernel.removed) == ("unknown", False, [])
+    assert verdict.reasons[0].startswith("cannot tell whether MOFED is about to install (")
+    assert names in verdict.reasons[0]
+
+
+NFS_RDMA = "120 22 0:52 / /mnt/data rw,relatime shared:60 - nfs4 10.0.0.5:/export {opts}\n"
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        "rw,vers=4.2,rsize=1048576,proto=rdma,port=20049,addr=10.0.0.5",
+        "rw,vers=4.2,proto=rdma6,port=20049,addr=fd00::5",
+        "proto=rdma,rw,vers=3",
+        "rw,vers=3,PROTO=RDMA",
+    ],
+    ids=["rdma", "rdma6", "first", "upper-case"],
+)
+def test_nfs_over_rdma_mounts_of_every_form_are_users(tmp_path: Path, opts: str) -> None:
+    root = node(tmp_path)
+    (root / MOUNTINFO).write_text(ROOT_MOUNT + NFS_RDMA.format(opts=opts))
+    verdict, kernel = storage_pass(root)
+    assert (verdict.verdict, kernel.removed) == ("in-use", [])
+    assert "NFS-over-RDMA mount /mnt/data (10.0.0.5:/export)" in verdict.reasons[0]
+
+
+def test_an_nvme_controller_with_a_long_instance_number_is_a_user(tmp_path: Path) -> None:
+    root = node(tmp_path, "nvme_rdma")
+    ctrl = root / "sys/class/nvme/nvme123456"
+    ctrl.mkdir(parents=True)
+    (ctrl / "transport").write_text("rdma\n")
+    (ctrl / "subsysnqn").write_text("nqn.2014-08.org.example:target\n")
+    verdict, kernel = storage_pass(root)
+    assert (verdict.verdict, kernel.removed) == ("in-use", [])
+    assert "NVMe-oF controller nvme123456" in verdict.reasons[0]

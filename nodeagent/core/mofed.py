@@ -103,6 +103,18 @@ def lock_holders(snap: NodeSnapshot, markers: MofedMarkers) -> tuple[int, ...]:
     )
 
 
+def unreadable_markers(snap: NodeSnapshot, markers: MofedMarkers) -> list[str]:
+    """MOFED's ready flag or lock that could not be read as a file (a symlink, a directory,
+    a directory that cannot be opened): whether MOFED is installing cannot be told from
+    them, and a lock that cannot be stat'ed cannot be matched in /proc/locks."""
+    out = []
+    for rel in (markers.ready, markers.lock):
+        fact = snap.file(rel)
+        if fact.problem and fact.problem != "not observed":
+            out.append(f"{rel} {fact.problem}")
+    return out
+
+
 def pending_signals(
     snap: NodeSnapshot, markers: MofedMarkers, saw_flag_removed: bool
 ) -> tuple[str, ...]:

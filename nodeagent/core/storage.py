@@ -47,7 +47,7 @@ from nodeagent.core.actions import (
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, count_field, time_field
 from nodeagent.core.identity import module_evidence
 from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_order
-from nodeagent.core.mofed import pending_signals
+from nodeagent.core.mofed import pending_signals, unreadable_markers
 from nodeagent.core.names import is_module_name
 from nodeagent.core.needs import HOST_TREE, Needs
 from nodeagent.core.paths import HostPaths
@@ -252,8 +252,10 @@ class StorageGuard:
         pending += [f"{m} exists" for m in pol.pending_markers if snap.file(m).present]
         hold = snap.file(pol.hold_file)
         loaded = [m for m in pol.roots if m in snap.modules]
-        # The flag absent and the lock table unreadable: MOFED may be installing right now.
-        locks_unread = snap.read_problems.get("locks", ()) if not ready and not pending else ()
+        # The flag absent and the lock table, the lock or the flag itself unreadable: MOFED
+        # may be installing right now.
+        unread = [*snap.read_problems.get("locks", ()), *unreadable_markers(snap, self.mofed)]
+        locks_unread = unread if not ready and not pending else ()
         lock_unknown = (
             f"cannot tell whether MOFED is about to install ({'; '.join(locks_unread)})"
             if locks_unread
@@ -466,11 +468,17 @@ def _unread(snap: NodeSnapshot, field: str, what: str) -> list[str]:
     return [f"{what}: {p}" for p in snap.read_problems.get(field, ())]
 
 
+def _rdma_proto(option: str) -> bool:
+    """``proto=rdma`` or ``proto=rdma6`` (NFS over RDMA, IPv4 or IPv6), in any order and case."""
+    key, _, value = option.partition("=")
+    return key.strip().lower() == "proto" and value.strip().lower() in ("rdma", "rdma6")
+
+
 def _rdma_mounts(snap: NodeSnapshot) -> Named:
     named = [
         f"NFS-over-RDMA mount {m.mount_point} ({m.source})"
         for m in snap.mounts
-        if "proto=rdma" in m.options
+        if any(_rdma_proto(o) for o in m.options)
     ]
     return named, _unread(snap, "mounts", "mounts")
 

@@ -582,7 +582,7 @@ def read_nvme(host: HostRoot, rel: str) -> tuple[tuple[NvmeController, ...], lis
     out: list[NvmeController] = []
     names, unlisted = _list_entries(host, rel)
     for name in names:
-        if not re.fullmatch(r"nvme\d{1,5}", name):
+        if not re.fullmatch(r"nvme\d{1,10}", name):  # the kernel's nvme%d, any instance
             continue
         values, problems = _read_attrs(
             host, f"{rel}/{name}", ("transport", "subsysnqn", "address"), _OPTIONAL_NVME
