@@ -8,6 +8,7 @@ breaks a pass. Adding an exporter is one entry in ``EXPORTERS``.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -68,8 +69,12 @@ def _journal(cfg: Config, exporters: Exporters, once: bool) -> None:
     from nodeagent.journal import JournalExporter
 
     if cfg.journal:
-        socket_path = HostRoot(cfg.host_root).path(cfg.paths.journal_socket)
-        exporters.add(JournalExporter(str(socket_path)))
+        host, rel = HostRoot(cfg.host_root), cfg.paths.journal_socket
+        # Resolved inside the host root like every other path, the socket itself never
+        # followed: an absolute symlink on the way stays inside the root.
+        exporters.add(
+            JournalExporter(str(host.path(rel)), lambda: host.open(rel, os.O_PATH, follow=False))
+        )
 
 
 def _metrics(cfg: Config, exporters: Exporters, once: bool) -> None:

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -201,12 +202,24 @@ def encode(fields: Iterable[tuple[str, str]]) -> bytes:
 
 
 class JournalExporter:
-    """Sends every record to the journal socket; never raises into the agent loop."""
+    """Sends every record to the journal socket; never raises into the agent loop.
+
+    The socket is opened as an ``O_PATH`` descriptor by ``open_socket`` (in the
+    agent: resolved inside the host root, as if chrooted, the last component
+    never followed) and records go to ``/proc/self/fd/<n>``, that very inode: an
+    absolute symlink in the path cannot send them outside the root, and a
+    symlink or anything but a socket at the end is refused. A journald restart
+    makes a new socket: a refused send opens the path again once.
+    """
 
     name = "journal"
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, open_socket: Callable[[], int] | None = None) -> None:
         self.socket_path = socket_path
+        self._open_socket = open_socket or (
+            lambda: os.open(socket_path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        )
+        self._target: int | None = None  # the O_PATH descriptor of the socket
         # Non-blocking: a slow journald must never stall the loop; a full queue drops
         # the journal's copy of a record (stderr and the timeline still have it).
         self._sock = socket.socket(
@@ -215,6 +228,29 @@ class JournalExporter:
         self.available: bool | None = None  # None: nothing sent yet
         self.sent = 0
         self.dropped = 0
+
+    def _address(self, reopen: bool) -> str:
+        """``/proc/self/fd/<n>`` of the socket, opened now if not yet (or ``reopen``)."""
+        if reopen:
+            self._forget()
+        if self._target is None:
+            fd = self._open_socket()
+            try:
+                mode = os.fstat(fd).st_mode
+                if not stat.S_ISSOCK(mode):
+                    what = "a symlink" if stat.S_ISLNK(mode) else "not a socket"
+                    raise OSError(errno.ENOTSOCK, f"is {what}; not followed")
+            except BaseException:
+                os.close(fd)
+                raise
+            self._target = fd
+        return f"/proc/self/fd/{self._target}"
+
+    def _forget(self) -> None:
+        fd, self._target = self._target, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def on_record(self, rec: Mapping[str, Any]) -> None:
         fields = journal_fields(rec)
@@ -230,11 +266,9 @@ class JournalExporter:
     def _send(self, data: bytes) -> None:
         try:
             try:
-                self._sock.sendto(data, self.socket_path)
-            except OSError as exc:
-                if exc.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
-                    raise
-                self._send_memfd(data)
+                self._send_to(data, self._address(reopen=False))
+            except (ConnectionRefusedError, FileNotFoundError):
+                self._send_to(data, self._address(reopen=True))  # journald made a new one
         except BlockingIOError:
             if not self.dropped:
                 log.warning("journal socket %s is full: dropping records there", self.socket_path)
@@ -250,7 +284,15 @@ class JournalExporter:
         self.available = True
         self.sent += 1
 
-    def _send_memfd(self, data: bytes) -> None:
+    def _send_to(self, data: bytes, address: str) -> None:
+        try:
+            self._sock.sendto(data, address)
+        except OSError as exc:
+            if exc.errno not in (errno.EMSGSIZE, errno.ENOBUFS):
+                raise
+            self._send_memfd(data, address)
+
+    def _send_memfd(self, data: bytes, address: str) -> None:
         fd = os.memfd_create("nodeagent-journal", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             view = memoryview(data)
@@ -259,7 +301,7 @@ class JournalExporter:
             # journald only accepts a sealed memfd: the content can no longer change.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-            self._sock.sendmsg([], rights, 0, self.socket_path)
+            self._sock.sendmsg([], rights, 0, address)
         finally:
             os.close(fd)
 
@@ -276,5 +318,6 @@ class JournalExporter:
         self.available = False
 
     def close(self) -> None:
+        self._forget()
         with contextlib.suppress(OSError):
             self._sock.close()

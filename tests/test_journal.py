@@ -115,6 +115,63 @@ def test_a_full_journal_queue_drops_instead_of_blocking(
         exp.close()
 
 
+def _exporter_for(root: Path, journal: bool = True) -> JournalExporter:
+    """The journal exporter as the agent builds it for host root ``root``."""
+    from nodeagent.config import Config
+    from nodeagent.exporters import Exporters, _journal
+
+    exporters = Exporters()
+    _journal(Config(host_root=str(root), journal=journal), exporters, once=False)
+    (exp,) = [e for e in exporters.exporters if isinstance(e, JournalExporter)]
+    return exp
+
+
+def test_the_journal_socket_resolves_inside_the_host_root(tmp_path: Path) -> None:
+    """An absolute symlink on the way resolves inside the host root, as if chrooted; a
+    symlink as the socket itself is refused, never followed out of the root."""
+    root = tmp_path / "host"
+    outside = tmp_path / "container-run"  # what "/" would be to an absolute link
+    (root / "var/jd").mkdir(parents=True)
+    (root / "run/systemd").mkdir(parents=True)
+    outside.mkdir()
+    # /run/systemd/journal -> /var/jd: inside the root, that is root/var/jd.
+    (root / "run/systemd/journal").symlink_to("/var/jd")
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as inside,
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as escape,
+    ):
+        inside.bind(str(root / "var/jd/socket"))
+        escape.bind(str(outside / "socket"))
+        inside.setblocking(False)
+        escape.setblocking(False)
+        exp = _exporter_for(root)
+        exp.on_record({"kind": "start"})
+        assert b"SYSLOG_IDENTIFIER=nodeagent\n" in inside.recv(65536)
+        exp.close()
+        # The socket itself an absolute symlink out: refused, nothing sent anywhere.
+        (root / "var/jd/socket").unlink()
+        (root / "var/jd/socket").symlink_to(outside / "socket")
+        exp = _exporter_for(root)
+        exp.on_record({"kind": "start"})
+        assert exp.available is False and exp.sent == 0
+        with pytest.raises(BlockingIOError):
+            escape.recv(65536)
+        exp.close()
+
+
+def test_a_journald_restart_makes_a_new_socket_and_sending_goes_on(tmp_path: Path) -> None:
+    path = tmp_path / "socket"
+    exp = JournalExporter(str(path))
+    for n in range(2):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+            server.bind(str(path))
+            exp.on_record({"kind": "decision", "guard": "peermem", "verdict": f"v{n}"})
+            assert f"NODEAGENT_VERDICT=v{n}\n".encode() in server.recv(65536)
+        path.unlink()
+    assert exp.sent == 2
+    exp.close()
+
+
 # -- against a real journald --------------------------------------------------
 
 
