@@ -653,6 +653,15 @@ class Agent:
         """Derived from the guards' declared needs (marker files' parents, listed dirs)."""
         return self.observer.needs.watch_dirs()
 
+    def _remove_orphaned_temps(self) -> None:
+        """What a killed write left behind (``write_atomic``'s temp files) in the agent's own
+        directories; ``run`` holds the single-agent lock, so no live writer's file goes."""
+        paths = self.cfg.paths
+        for d in {paths.state_dir, paths.timeline_dir, paths.sriov_snapshot.rpartition("/")[0]}:
+            removed = self.host.remove_orphaned_temps(d) if d else []
+            if removed:
+                log.info("removed what killed writes left in %s: %s", d, removed)
+
     def _stop_actions(self) -> None:
         """What guards undo when the agent stops (e.g. a hold file), enforce mode only.
 
@@ -692,6 +701,7 @@ class Agent:
             return self._absorb_finished()
 
     def run(self, once: bool = False) -> None:
+        self._remove_orphaned_temps()
         if once:
             self.run_once()
             return

@@ -144,6 +144,12 @@ def _main(argv: list[str]) -> int:
     except NodeagentError as exc:
         print(f"nodeagent: error: {safe(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        raise  # main() stops quietly
+    except OSError as exc:  # the node refused what starting needs: one line, not a traceback
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"nodeagent: error: {safe(where)}{safe(exc.strerror or exc)}", file=sys.stderr)
+        return EXIT_NOT_OK
     except KeyboardInterrupt:
         return 130
     parser.error(f"unknown command {args.command}")
@@ -182,7 +188,7 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     setup_logging(log_level)
     # One agent per node; the lock is taken before anything is read or written
     # (or a metrics port bound).
-    with AgentLock(HostRoot(cfg.host_root), cfg.paths.state_dir):
+    with AgentLock(HostRoot(cfg.host_root)):
         exporters = build_exporters(cfg, once)
         try:
             agent = Agent(cfg, on_record=exporters.on_record, on_pass=exporters.on_pass)

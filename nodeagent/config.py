@@ -20,6 +20,8 @@ from nodeagent.errors import NodeagentError
 
 __all__ = ["MODES", "Config", "HostPaths", "config_from_mapping", "load_config"]
 
+CONFIG_MAX_BYTES = 1 << 20  # a config is a few hundred bytes; read no more than this
+
 MODES = ("observe", "enforce")
 
 
@@ -89,9 +91,11 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
     if "paths" in data:
         p = cfgval.table("paths", data["paths"])
         cfgval.reject_unknown("paths", p, {f.name for f in fields(HostPaths)})
-        changes["paths"] = replace(
-            cfg.paths, **{k: cfgval.check_relpath(f"paths.{k}", v) for k, v in p.items()}
-        )
+        checked = {k: cfgval.check_relpath(f"paths.{k}", v) for k, v in p.items()}
+        for key in ("state_dir", "timeline_dir"):
+            if key in checked:
+                cfgval.check_own_dir(f"paths.{key}", checked[key])
+        changes["paths"] = replace(cfg.paths, **checked)
     policies = dict(cfg.policies)
     for e in GUARDS:
         if e.name in data:
@@ -147,13 +151,18 @@ def load_config(
     if path is not None:
         try:
             with open(path, "rb") as fh:
-                data = tomllib.load(fh)
+                raw = fh.read(CONFIG_MAX_BYTES + 1)
+            if len(raw) > CONFIG_MAX_BYTES:
+                raise NodeagentError(f"config file {path}: larger than {CONFIG_MAX_BYTES} bytes")
+            data = tomllib.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             raise NodeagentError(f"config file {path}: not found") from None
         except OSError as exc:
             raise NodeagentError(f"config file {path}: {exc.strerror or exc}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise NodeagentError(f"config file {path} does not parse as TOML: {exc}") from None
+        except RecursionError:  # tomllib recurses per nesting level
+            raise NodeagentError(f"config file {path}: nested too deep to parse") from None
         cfg = config_from_mapping(data, cfg)
     if env.get("NODEAGENT_HOST_ROOT"):
         cfg = replace(cfg, host_root=_host_root(env["NODEAGENT_HOST_ROOT"]))

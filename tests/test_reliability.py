@@ -8,6 +8,7 @@ failures never skip the MOFED-restart unload and never leave an open gate.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,6 +104,135 @@ def test_the_lock_is_released_when_the_holder_dies(root: Path) -> None:
         timeout=30,
     )
     assert again.returncode == 0, again.stderr
+
+
+def test_a_second_agent_with_another_state_dir_is_refused_too(root: Path) -> None:
+    """The lock is per host root, not per state dir: before, a second agent configured
+    with ``[paths] state_dir`` elsewhere ran beside the first."""
+    first = subprocess.Popen(
+        [PY, "-m", "nodeagent", "run", "--host-root", str(root), "--metrics-address", "off"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    config = root.parent / f"{root.name}-other.toml"
+    config.write_text('[paths]\nstate_dir = "var/run/nodeagent-other"\n')
+    try:
+        eventually((root / "run/nodeagent/status.json").exists, "the first agent's first pass")
+        second = subprocess.run(
+            [PY, "-m", "nodeagent", "run", "--host-root", str(root), "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.count("\n") == 1 and f"(pid {first.pid})" in second.stderr
+        assert not (root / "var/run/nodeagent-other").exists()
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=5) == 0
+
+
+def run_once(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("plant", "words"),
+    [
+        (lambda r: (r / "run/nodeagent/agent.lock").mkdir(parents=True), "agent.lock: cannot open"),
+        (lambda r: (r / "run").mkdir() or (r / "run/nodeagent").write_text(""), "run/nodeagent"),
+        (lambda r: (r / "run").symlink_to("/tmp"), "/run is not a directory (a symlink"),
+    ],
+    ids=["lock-is-a-directory", "lock-dir-is-a-file", "run-links-out"],
+)
+def test_a_lock_that_cannot_be_made_is_one_line_not_a_traceback(
+    root: Path, plant: Any, words: str
+) -> None:
+    plant(root)
+    p = run_once(root)
+    assert p.returncode in (1, 2), p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("nodeagent: error: ") and words in p.stderr
+
+
+def test_orphaned_temp_files_of_killed_writes_are_removed_at_start(root: Path) -> None:
+    state, timeline = root / "run/nodeagent", root / "var/lib/nodeagent"
+    state.mkdir(parents=True)
+    timeline.mkdir(parents=True)
+    orphans = [
+        state / ".state.json.tmp.4242",
+        state / ".peermem.gate.tmp.1",
+        timeline / ".sriov.json.tmp.77",
+    ]
+    for f in orphans:
+        f.write_text("half a write")
+    kept = [state / ".notes.tmp", state / "x.tmp.12"]
+    for f in kept:
+        f.write_text("not ours")
+    (state / ".evil.tmp.9").symlink_to("/etc/hostname")  # never followed; left
+    p = run_once(root)
+    assert p.returncode in (0, 1), p.stderr
+    assert not any(f.exists() for f in orphans)
+    assert all(f.exists() for f in kept) and (state / ".evil.tmp.9").is_symlink()
+
+
+def test_the_lock_holds_when_its_pid_cannot_be_written(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nodeagent.host import agentlock
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(agentlock.os, "pwrite", full)
+    lock = agentlock.AgentLock(HostRoot(str(root)))
+    lock.acquire()
+    try:
+        with pytest.raises(agentlock.AgentRunning, match="unknown pid"):
+            agentlock.AgentLock(HostRoot(str(root))).acquire()
+    finally:
+        lock.release()
+
+
+def _tmpfs(where: Path, size: str) -> str | None:
+    """Mount a small tmpfs (root only); the reason it cannot be done here, else None."""
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        p = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except FileNotFoundError:
+        return "no mount(8) here"
+    return None if p.returncode == 0 else f"cannot mount a tmpfs here: {p.stderr.strip()}"
+
+
+def test_a_full_run_at_first_start_starts_and_says_why_nothing_is_written(root: Path) -> None:
+    """A 64 KiB tmpfs as /run, full: the agent holds its lock, runs its pass, and names
+    each write that failed; before, the pid write into the lock raised a traceback and
+    the pod crash-looped."""
+    why = _tmpfs(root / "run", "64k")
+    if why is not None:
+        # Covered without a mount: test_the_lock_holds_when_its_pid_cannot_be_written and
+        # test_gate_property's failing writes.
+        pytest.skip(why)
+    try:
+        with contextlib.suppress(OSError), open(root / "run/fill", "wb") as fh:
+            while True:
+                fh.write(b"\0" * 4096)
+        p = run_once(root)
+        assert "Traceback" not in p.stderr, p.stderr
+        assert p.returncode == 0, p.stderr
+        assert "memory save failed: No space left on device" in p.stderr
+    finally:
+        subprocess.run(["umount", str(root / "run")], check=False, timeout=10)
 
 
 # -- SIGTERM whatever the agent is doing ---------------------------------------------

@@ -12,15 +12,48 @@ from typing import Any
 from nodeagent.core.names import validate_module_name
 from nodeagent.errors import NodeagentError
 
+PATH_MAX_BYTES = 1024
+NAME_MAX_BYTES = 255  # one component, as the kernel allows
+
 
 def check_relpath(key: str, value: Any) -> str:
-    """A path relative to the host root, without '..'."""
+    """A path relative to the host root: plain components only (no '..', '.', empty or
+    blank ones, no control characters), each at most 255 bytes."""
     if not isinstance(value, str) or not value:
         raise NodeagentError(f"config {key}: expected a non-empty path, got {value!r}")
-    if value.startswith("/") or ".." in value.split("/") or "\0" in value:
+    shown = repr(value[:80])
+    if value.startswith("/") or ".." in value.split("/"):
         raise NodeagentError(
-            f"config {key}: {value!r} must be relative to the host root, without '..'"
+            f"config {key}: {shown} must be relative to the host root, without '..'"
         )
+    if not value.isprintable():
+        raise NodeagentError(f"config {key}: {shown} has a control character")
+    if len(value.encode()) > PATH_MAX_BYTES:
+        raise NodeagentError(f"config {key}: longer than {PATH_MAX_BYTES} bytes")
+    for part in value.split("/"):
+        if part in ("", ".") or not part.strip():
+            raise NodeagentError(
+                f"config {key}: {shown} has an empty, blank or '.' component; write it as a/b/c"
+            )
+        if len(part.encode()) > NAME_MAX_BYTES:
+            raise NodeagentError(
+                f"config {key}: a component longer than {NAME_MAX_BYTES} bytes ({part[:20]!r}...)"
+            )
+    return value
+
+
+# The agent writes its own files only in directories of its own: never the kernel's
+# pseudo-filesystems nor the driver containers' trees.
+NOT_THE_AGENTS = ("proc", "sys", "dev", "run/mellanox/drivers", "run/nvidia", "lib/modules")
+
+
+def check_own_dir(key: str, value: str) -> str:
+    """A directory the agent writes in (``state_dir``, ``timeline_dir``)."""
+    for other in NOT_THE_AGENTS:
+        if value == other or value.startswith(f"{other}/"):
+            raise NodeagentError(
+                f"config {key}: {value!r} is inside {other}/, not a directory of the agent's own"
+            )
     return value
 
 

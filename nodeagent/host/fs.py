@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -153,6 +154,9 @@ def _kind(mode: int) -> str:
 
 class NotRegularFile(OSError):
     """A path that is a FIFO, device, directory or socket where a file was expected."""
+
+
+_ORPHAN_TEMP = re.compile(r"\..+\.tmp\.[0-9]{1,10}")
 
 
 class HostRoot:
@@ -396,6 +400,28 @@ class HostRoot:
             return True
         finally:
             os.close(dfd)
+
+    def remove_orphaned_temps(self, rel: str) -> list[str]:
+        """Remove what killed writers left in directory ``rel``: ``write_atomic``'s temp
+        files (``.<name>.tmp.<pid>``, regular files only, never followed). Call it holding
+        the single-agent lock, so no live writer's file goes. Returns the names removed."""
+        try:
+            names = [n for n in self.listdir(rel, strict=True) if _ORPHAN_TEMP.fullmatch(n)]
+            if not names:
+                return []
+            dfd = self.open_dir(rel, create=False)
+        except (OSError, NodeagentError):
+            return []  # no directory yet (or not one: its writes say so)
+        removed: list[str] = []
+        try:
+            for name in names:
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+                        os.unlink(name, dir_fd=dfd)
+                        removed.append(name)
+        finally:
+            os.close(dfd)
+        return removed
 
     def set_aside(self, rel: str, new_name: str) -> None:
         """Rename file ``rel`` to ``new_name`` in the same directory (a bad file kept, not lost).
