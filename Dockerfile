@@ -1,16 +1,36 @@
-# nodeagent's image: the wheel installed into a venv, on a slim Python base.
+# nodeagent's image: Debian's own Python 3.11, the agent and its wheels in a venv.
 #   docker build --build-arg REVISION=$(git rev-parse HEAD) -t nodeagent:0.1.0 .
-# The build stage needs no compiler: every dependency ships binary wheels.
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The base is Debian's, not python:3.11-slim: that image's Python is built from
+# source into /usr/local, so no test here can make the base it runs on; Debian's
+# python3 can be bootstrapped from Debian's packages, and tests/test_image.py
+# builds this very file on such a base. Releases pin the base by digest:
+#   --build-arg BASE_IMAGE=debian:bookworm-slim@sha256:<digest>
+# No compiler anywhere: every dependency ships a binary wheel.
+ARG BASE_IMAGE=debian:bookworm-slim
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BASE_IMAGE} AS build
+# Versions come with the base image's release (pinned by its digest); pinning exact
+# Debian revisions here breaks at the next point release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && apt-get clean \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY nodeagent ./nodeagent
+# The dependencies in a layer of their own, before the source: a change to the
+# agent rebuilds only the last step.
+# Behind a TLS-inspecting proxy, pass its CA bundle as a build secret (never a layer):
+#   docker build --secret id=pip-ca,src=/etc/ssl/certs/ca-certificates.crt .
+COPY pyproject.toml ./
 COPY scripts/install-venv.sh ./scripts/
-RUN sh scripts/install-venv.sh /src /opt/nodeagent /wheels
+RUN --mount=type=secret,id=pip-ca,required=false \
+    sh scripts/install-venv.sh deps /src /opt/nodeagent
+COPY README.md ./
+COPY nodeagent ./nodeagent
+RUN --mount=type=secret,id=pip-ca,required=false \
+    sh scripts/install-venv.sh app /src /opt/nodeagent
 
-FROM ${PYTHON_IMAGE}
+FROM ${BASE_IMAGE}
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="nodeagent" \
@@ -18,13 +38,14 @@ LABEL org.opencontainers.image.title="nodeagent" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0"
-# libkmod2: the agent loads modules through libkmod (ctypes); kmod: its tools, for
-# operators in the pod; libudev1: pyudev's kernel uevent monitor.
+# python3: the venv's interpreter (no pip, no venv module at run time); libkmod2:
+# the agent loads modules through libkmod (ctypes); kmod: its tools, for operators
+# in the pod; libudev1: pyudev's kernel uevent monitor.
+# hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends \
-      libkmod2=30+20221128-1 kmod=30+20221128-1 libudev1=252.39-1~deb12u2 \
- && rm -rf /var/lib/apt/lists/* \
- && python -m pip uninstall --yes --quiet pip setuptools wheel
+ && apt-get install -y --no-install-recommends python3 libkmod2 kmod libudev1 \
+ && apt-get clean \
+ && rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /var/log/apt /var/log/dpkg.log
 COPY --from=build /opt/nodeagent /opt/nodeagent
 ENV PATH=/opt/nodeagent/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -1,17 +1,40 @@
 #!/bin/sh
-# Build nodeagent's wheel and every dependency's, install them into a fresh venv
-# from those wheels only, then take pip out of it. The Dockerfile's build stage
-# runs exactly this; tests/test_image.py runs it too, so the image's steps are
-# exercised where no container builder can run.
+# The Dockerfile's build stage, in two steps so a source change rebuilds only the second:
 #
-#   sh scripts/install-venv.sh SRC_DIR VENV_DIR WHEEL_DIR      (PYTHON: the interpreter, default python3)
+#   sh scripts/install-venv.sh deps SRC_DIR VENV_DIR   # a venv with pyproject.toml's dependencies
+#   sh scripts/install-venv.sh app  SRC_DIR VENV_DIR   # nodeagent itself, then pip out, bytecode in
+#
+# PYTHON: the interpreter that makes the venv (default python3). tests/test_image.py
+# runs both steps on the checkout too, and builds the Dockerfile with them.
 set -eu
-src=$1
-venv=$2
-wheels=$3
+step=$1
+src=$2
+venv=$3
 python=${PYTHON:-python3}
-"$python" -m pip wheel --no-cache-dir --quiet --wheel-dir "$wheels" "$src"
-"$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --no-cache-dir --quiet --no-index --find-links "$wheels" nodeagent
-# The venv needs no installer at run time.
-"$venv/bin/python" -m pip uninstall --yes --quiet pip setuptools
+# A CA bundle given as the build secret pip-ca (a TLS-inspecting proxy's): pip trusts it.
+if [ -s /run/secrets/pip-ca ]; then
+  export PIP_CERT=/run/secrets/pip-ca
+fi
+case $step in
+deps)
+  "$python" -m venv "$venv"
+  # The dependencies alone, read from pyproject.toml (no source needed yet).
+  "$venv/bin/python" -c 'import sys, tomllib
+print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))' \
+    "$src/pyproject.toml" > "$venv/requirements.txt"
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet --only-binary=:all: \
+    -r "$venv/requirements.txt"
+  ;;
+app)
+  "$venv/bin/python" -m pip install --no-cache-dir --quiet --no-deps "$src"
+  # The venv needs no installer at run time; the image's root filesystem is read-only,
+  # so the bytecode is compiled now (checked by hash, not by the sources' times).
+  "$venv/bin/python" -m pip uninstall --yes --quiet pip setuptools
+  rm -f "$venv/requirements.txt"
+  "$venv/bin/python" -m compileall -q -j 0 --invalidation-mode unchecked-hash "$venv/lib"
+  ;;
+*)
+  echo "usage: install-venv.sh deps|app SRC_DIR VENV_DIR" >&2
+  exit 2
+  ;;
+esac

@@ -14,6 +14,10 @@ cd "$(dirname "$0")/.."
 # (not root, no apt) the real-kernel tests skip with the reason.
 .venv/bin/python -m tests.realkernel.setup >/dev/null \
   || echo "real-kernel setup unavailable: those tests will be skipped (reason above)" >&2
+# The image: buildah and mmdebstrap (Debian's, installed as root when missing), a
+# Debian base bootstrapped into ~/.cache, the Dockerfile built (layers cached).
+.venv/bin/python -m tests.image_setup >/dev/null \
+  || echo "image setup unavailable: the image tests will be skipped (reason above)" >&2
 # Debian's Chromium for the HTML timeline test (installed as root when missing).
 .venv/bin/python -m tests.chromium_setup >/dev/null \
   || echo "chromium setup unavailable: the headless-browser test will be skipped" >&2

@@ -50,24 +50,31 @@ def _apt(*args: str) -> subprocess.CompletedProcess[str]:
         raise SetupError(f"apt-get {args[0]} timed out") from e
 
 
+def apt_install(*packages: str) -> None:
+    """Debian's packages, as root; SetupError with a one-line reason when that cannot be."""
+    if os.geteuid() != 0:
+        raise SetupError(f"{' '.join(packages)}: not installed, and installing needs root")
+    if shutil.which("apt-get") is None:
+        raise SetupError(f"{' '.join(packages)}: not installed, and there is no apt-get")
+    install = ("install", "-y", "--no-install-recommends", *packages)
+    done = _apt(*install)
+    if done.returncode != 0:  # stale package lists: refresh once, then try again
+        _apt("update")
+        done = _apt(*install)
+    if done.returncode != 0:
+        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise SetupError(f"apt-get install {' '.join(packages)} failed: {last[0]}")
+
+
 def ensure() -> str:
     """The path of a Chromium binary, installing Debian's package when needed."""
     found = shutil.which(PACKAGE)
     if found:
         return found
-    if os.geteuid() != 0:
-        raise SetupError(f"{PACKAGE} is not installed and installing it needs root")
-    if shutil.which("apt-get") is None:
-        raise SetupError(f"{PACKAGE} is not installed and there is no apt-get")
-    install = ("install", "-y", "--no-install-recommends", PACKAGE)
-    done = _apt(*install)
-    if done.returncode != 0:  # stale package lists: refresh once, then try again
-        _apt("update")
-        done = _apt(*install)
+    apt_install(PACKAGE)
     found = shutil.which(PACKAGE)
-    if done.returncode != 0 or not found:
-        last = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SetupError(f"apt-get install {PACKAGE} failed: {last[0]}")
+    if not found:
+        raise SetupError(f"apt-get installed {PACKAGE}, yet it is not on PATH")
     return found
 
 
