@@ -28,6 +28,7 @@ from nodeagent import __version__
 from nodeagent.config import Config
 from nodeagent.core.actions import ActionOutcome
 from nodeagent.core.guard import Verdict
+from nodeagent.core.labels import node_labels
 from nodeagent.core.reconcile import AgentMemory, Reconciler
 from nodeagent.core.registry import build_reconciler as build_guard_reconciler
 from nodeagent.core.snapshot import NodeSnapshot
@@ -41,6 +42,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, RENEW_S, GateFiles
 from nodeagent.host.hold import HoldHost, Responder, start_hold
 from nodeagent.host.kmod import ModuleOps, default_module_ops
+from nodeagent.host.labels import FeatureFile
 from nodeagent.host.netlink import PyrouteOps, SriovOps
 from nodeagent.host.observe import Observer, Readers, no_sriov
 from nodeagent.host.sriov import SriovObserver, SriovStore
@@ -190,6 +192,12 @@ class Agent:
         self._wake_sources: list[WakeSource] = []
         self.state = StateStore(self.host, cfg.paths.state_dir, self.wall)
         self.gates = GateFiles(self.host, cfg.paths.state_dir)
+        # Node labels through NFD's features.d ([labels] nfd): what the cluster can select on.
+        self.labels = (
+            FeatureFile(self.host, cfg.labels.features_dir, cfg.labels.expiry_seconds, self.wall)
+            if cfg.labels.nfd
+            else None
+        )
         # Bookkeeping failures of the current pass (memory, timeline, status): logged,
         # reported in status.json, never a reason to skip an action.
         self._pass_problems: list[str] = []
@@ -318,6 +326,10 @@ class Agent:
         self.memory = memory
         self._save_memory(memory)
         self._keep_sriov_snapshot(memory)
+        if self.labels is not None:  # a record for the cluster: never held against a gate
+            problem = self.labels.publish(node_labels(rec.verdicts, self.cfg.labels.prefix))
+            if problem is not None:
+                self._pass_problems.append(problem)
         try:
             self.state.write_status(self.status_document(snap, rec.verdicts, outcomes))
         except (OSError, NodeagentError) as exc:
@@ -752,6 +764,8 @@ class Agent:
                 self._record_holds()
             watch.close()
             self._stop_actions()
+            if self.labels is not None:
+                self.labels.remove()  # a stale "ok" label is worse than none
             close_ops = getattr(self.sriov_ops, "close", None)
             if close_ops is not None:
                 close_ops()  # netlink sockets; one still in a hung call closes when it returns

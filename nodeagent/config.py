@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from nodeagent.core import policy as cfgval
+from nodeagent.core.labels import DEFAULT_PREFIX, check_prefix
 from nodeagent.core.names import is_decimal
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.registry import GUARDS, entry
@@ -23,6 +24,18 @@ __all__ = ["MODES", "Config", "HostPaths", "config_from_mapping", "load_config"]
 CONFIG_MAX_BYTES = 1 << 20  # a config is a few hundred bytes; read no more than this
 
 MODES = ("observe", "enforce")
+
+
+@dataclass(frozen=True)
+class LabelsConfig:
+    """``[labels]``: node labels through node-feature-discovery's local source."""
+
+    nfd: bool = False  # write the features.d file (deploy/ turns it on)
+    prefix: str = DEFAULT_PREFIX  # the labels' namespace
+    features_dir: str = "etc/kubernetes/node-feature-discovery/features.d"
+    # An agent killed without its clean stop: NFD drops its labels this long after the
+    # last write (the file is rewritten when half of it has passed).
+    expiry_seconds: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,7 @@ class Config:
     metrics_address: str = "127.0.0.1:9808"
     journal: bool = True  # records to the host journal (the stderr JSON lines always)
     paths: HostPaths = field(default_factory=HostPaths)
+    labels: LabelsConfig = field(default_factory=LabelsConfig)
     # Each guard's policy by guard name, parsed by the guard's own entry in core/registry.py;
     # a guard missing here runs with its default policy.
     policies: Mapping[str, Any] = field(default_factory=dict)
@@ -96,6 +110,8 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
             if key in checked:
                 cfgval.check_own_dir(f"paths.{key}", checked[key])
         changes["paths"] = replace(cfg.paths, **checked)
+    if "labels" in data:
+        changes["labels"] = _labels(cfgval.table("labels", data["labels"]), cfg.labels)
     policies = dict(cfg.policies)
     for e in GUARDS:
         if e.name in data:
@@ -104,6 +120,24 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
             )
     changes["policies"] = policies
     return replace(cfg, **changes)
+
+
+def _labels(t: Mapping[str, Any], base: LabelsConfig) -> LabelsConfig:
+    cfgval.reject_unknown("labels", t, {f.name for f in fields(LabelsConfig)})
+    changes: dict[str, Any] = {}
+    if "nfd" in t:
+        changes["nfd"] = cfgval.boolean("labels.nfd", t["nfd"])
+    if "prefix" in t:
+        changes["prefix"] = check_prefix("labels.prefix", t["prefix"])
+    if "features_dir" in t:
+        changes["features_dir"] = cfgval.check_own_dir(
+            "labels.features_dir", cfgval.check_relpath("labels.features_dir", t["features_dir"])
+        )
+    if "expiry_seconds" in t:
+        changes["expiry_seconds"] = cfgval.number(
+            "labels.expiry_seconds", t["expiry_seconds"], 60, 7 * 86400
+        )
+    return replace(base, **changes)
 
 
 def parse_address(value: str) -> tuple[str, int]:

@@ -48,7 +48,12 @@ ALERTS = {
     "NodeagentModuleLoadFailed",
 }
 # /etc/modprobe.d: the storage guard's default policy "hold" writes its hold file there.
-WRITTEN_HOST_PATHS = {"/run/nodeagent", "/var/lib/nodeagent", "/etc/modprobe.d"}
+WRITTEN_HOST_PATHS = {
+    "/run/nodeagent",
+    "/var/lib/nodeagent",
+    "/etc/modprobe.d",
+    "/etc/kubernetes/node-feature-discovery/features.d",  # [labels] nfd: its one file
+}
 
 
 def kubectl() -> str:

@@ -227,17 +227,21 @@ def test_run_in_the_image_serves_metrics_on_loopback_and_the_default_user_reads_
         scrape = (  # until the first pass's series are there
             "import sys, time, urllib.request\n"
             "text = ''\n"
-            "for _ in range(200):\n"
+            "for _ in range(600):\n"
             "    try:\n"
             f"        text = urllib.request.urlopen('http://127.0.0.1:{port}/metrics',"
             " timeout=2).read().decode()\n"
             "    except OSError: pass\n"
-            "    if 'nodeagent_guard_ok{' in text: break\n"
+            "    if 'nodeagent_guard_ok{guard=\"peermem\"} 1.0' in text: break\n"
             "    time.sleep(0.1)\n"
             "sys.stdout.write(text)\n"
         )
         got = container.shell("python3", "-c", scrape, user="65532:65532")
-        assert 'nodeagent_guard_ok{guard="peermem"} 1.0' in got.stdout, got.stdout[-500:]
+        if 'nodeagent_guard_ok{guard="peermem"} 1.0' not in got.stdout:
+            daemon.terminate()
+            _, err = daemon.communicate(timeout=30)
+            seen = [line for line in got.stdout.splitlines() if "guard" in line]
+            pytest.fail(f"the peermem gate not open in 60 s: {seen}\n{err[-2000:]}")
         user = "65532:65532"
         wait = container.run("wait", "peermem", "--timeout", "10", host=node, user=user)
         assert wait.returncode == 0, wait.stderr

@@ -459,3 +459,12 @@ def test_memory_a_restart_would_refuse_is_not_saved_and_the_last_good_part_is_ke
     assert doc2["storage"] == doc["storage"]  # the last good part
     doc3, _ = rec2.memory_to_save(good, None)
     assert "storage" not in doc3  # nothing good yet: that guard starts fresh, as it would
+
+
+def test_every_verdict_the_guard_gives_is_one_of_its_words() -> None:
+    """nodeagent_guard_state offers a guard's verdict_words: a verdict outside them would
+    never show (the storage guard once had none and offered open/closed)."""
+    seen = {d.verdict.verdict for d in run([seed_004(t) for t in (20, 30, 1107, 1200)])[0]}
+    seen |= {"holding", "in-use", "unknown"}  # the other tests' verdicts, by name
+    assert seen <= set(GUARD.verdict_words)
+    assert set(GUARD.verdict_words) == {"clear", "holding", "blocking", "in-use", "unknown"}

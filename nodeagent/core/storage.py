@@ -186,6 +186,8 @@ def hold_file_text(modules: tuple[str, ...]) -> str:
 class StorageGuard:
     name = "storage"
     gate = False
+    # Its own words for nodeagent_guard_state (without them the metric offered open/closed).
+    verdict_words: tuple[str, ...] = ("clear", "holding", "blocking", "in-use", "unknown")
 
     def __init__(self, policy: StoragePolicy | None = None, paths: HostPaths | None = None) -> None:
         self.policy = policy or StoragePolicy()

@@ -1,0 +1,101 @@
+"""The features.d file node-feature-discovery turns into node labels (see core/labels.py).
+
+Written atomically through ``write_atomic`` (``.nodeagent.tmp.<pid>``, a
+dot-file NFD ignores, then renamed into place), only when a label changes or
+half of the expiry has passed, and only into a directory that exists: a
+missing or unwritable features.d is a problem named on the pass, never created
+and never a reason to hold a gate. Removed at a clean stop: a stale ``ok``
+label is worse than none (NFD drops the labels at its next discovery, at once
+with its features.d watch since v0.19, else within its 60 s sleep interval).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+
+from nodeagent.core.labels import FILE_NAME, features_file
+from nodeagent.errors import NodeagentError
+from nodeagent.host.fs import HostRoot
+
+log = logging.getLogger("nodeagent.labels")
+
+
+class FeatureFile:
+    def __init__(
+        self,
+        host: HostRoot,
+        features_dir: str,
+        expiry_seconds: float,
+        wall: Callable[[], float],
+    ) -> None:
+        self.host = host
+        self.dir = features_dir
+        self.rel = f"{features_dir}/{FILE_NAME}"
+        self.expiry = expiry_seconds
+        self.wall = wall
+        self._labels: dict[str, str] | None = None
+        self._expires = 0.0
+        self._ident: object = None
+        self._problem: str | None = None
+
+    def publish(self, labels: Mapping[str, str]) -> str | None:
+        """Write the labels if they changed (or the expiry is half gone); a problem or None."""
+        now = self.wall()
+        if (
+            self._labels == labels
+            and self._expires - now > self.expiry / 2
+            and self.host.file_fact(self.rel).ident == self._ident
+        ):
+            return self._say(None)
+        try:
+            self._check_dir()
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + self.expiry))
+            self.host.write_atomic(self.rel, features_file(labels, expires).encode())
+        except (OSError, NodeagentError) as exc:
+            self._labels = None
+            return self._say(f"node labels not written ({self.rel}: {_why(exc)})")
+        self._labels, self._expires = dict(labels), now + self.expiry
+        self._ident = self.host.file_fact(self.rel).ident
+        return self._say(None)
+
+    def remove(self) -> None:
+        """At a clean stop: the labels go with the agent."""
+        self._labels = None
+        try:
+            dfd = self.host.open_dir(self.dir, create=False)
+        except (OSError, NodeagentError):
+            return
+        try:
+            os.unlink(FILE_NAME, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("node labels left in %s: %s", self.rel, exc.strerror)
+        finally:
+            os.close(dfd)
+
+    def _check_dir(self) -> None:
+        """The directory exists (NFD's hostPath); the agent never creates it."""
+        try:
+            os.close(self.host.open_dir(self.dir, create=False))
+        except FileNotFoundError:
+            raise NodeagentError(
+                f"{self.dir} does not exist: is node-feature-discovery deployed, and its "
+                "features.d mounted into the agent?"
+            ) from None
+
+    def _say(self, problem: str | None) -> str | None:
+        if problem != self._problem:
+            if problem is not None:
+                log.error("%s", problem)
+            elif self._problem is not None:
+                log.info("node labels written again to %s", self.rel)
+            self._problem = problem
+        return problem
+
+
+def _why(exc: Exception) -> str:
+    return str(getattr(exc, "strerror", None) or exc)
