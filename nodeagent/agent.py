@@ -35,6 +35,7 @@ from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.host.act import Actuator, KernelLog, kmsg_reader
+from nodeagent.host.conditions import NpdFiles
 from nodeagent.host.containers import RootScanner
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, pending
 from nodeagent.host.fanotify import FanotifyGroup
@@ -198,6 +199,9 @@ class Agent:
             if cfg.labels.nfd
             else None
         )
+        # What node-problem-detector's plugin reads ([npd] enabled): conditions, events and
+        # the loop's heartbeat, so a dead or stuck agent reads as Unknown on the Node.
+        self.npd = NpdFiles(self.host, cfg.paths.state_dir) if cfg.npd.enabled else None
         # Bookkeeping failures of the current pass (memory, timeline, status): logged,
         # reported in status.json, never a reason to skip an action.
         self._pass_problems: list[str] = []
@@ -238,6 +242,8 @@ class Agent:
         rec = bounded({"ts": round(self.wall(), 6), **rec})
         if self.on_record is not None:
             self.on_record(rec)
+        if self.npd is not None:
+            self.npd.on_record(rec)  # a Warning event for NPD, if it is one
         try:
             self.timeline.append(rec)
         except (OSError, NodeagentError) as exc:
@@ -328,6 +334,10 @@ class Agent:
         self._keep_sriov_snapshot(memory)
         if self.labels is not None:  # a record for the cluster: never held against a gate
             problem = self.labels.publish(node_labels(rec.verdicts, self.cfg.labels.prefix))
+            if problem is not None:
+                self._pass_problems.append(problem)
+        if self.npd is not None:  # likewise
+            problem = self.npd.publish(rec.verdicts)
             if problem is not None:
                 self._pass_problems.append(problem)
         try:
@@ -748,7 +758,7 @@ class Agent:
                 # withdrawal failed: the lease proves the loop, not a plan or a thread.
                 while True:
                     deadline = next_resync if wake_at is None else min(next_resync, wake_at)
-                    beat = bool(self._published or self._stuck_gates)
+                    beat = bool(self._published or self._stuck_gates or self.npd)
                     wait = max(0.0, deadline - now)
                     woken_by = waker.wait(min(wait, RENEW_S) if beat else wait)
                     now = self.clock()
@@ -756,6 +766,8 @@ class Agent:
                         break
                     with self.pass_context():
                         self.renew_leases()
+                        if self.npd is not None:
+                            self.npd.beat()
         finally:
             if self.hold_containers is not None:
                 self.hold_containers.stop()
@@ -766,6 +778,8 @@ class Agent:
             self._stop_actions()
             if self.labels is not None:
                 self.labels.remove()  # a stale "ok" label is worse than none
+            if self.npd is not None:
+                self.npd.stop()  # no heartbeat: NPD's conditions read Unknown, not a stale OK
             close_ops = getattr(self.sriov_ops, "close", None)
             if close_ops is not None:
                 close_ops()  # netlink sockets; one still in a hung call closes when it returns

@@ -39,6 +39,13 @@ class LabelsConfig:
 
 
 @dataclass(frozen=True)
+class NpdConfig:
+    """``[npd]``: the files node-problem-detector's plugin reads (deploy/npd/)."""
+
+    enabled: bool = False  # write <state dir>/npd/ (deploy/ turns it on)
+
+
+@dataclass(frozen=True)
 class Config:
     host_root: str = "/"
     mode: str = "observe"
@@ -55,6 +62,7 @@ class Config:
     journal: bool = True  # records to the host journal (the stderr JSON lines always)
     paths: HostPaths = field(default_factory=HostPaths)
     labels: LabelsConfig = field(default_factory=LabelsConfig)
+    npd: NpdConfig = field(default_factory=NpdConfig)
     # Each guard's policy by guard name, parsed by the guard's own entry in core/registry.py;
     # a guard missing here runs with its default policy.
     policies: Mapping[str, Any] = field(default_factory=dict)
@@ -112,6 +120,11 @@ def config_from_mapping(data: Mapping[str, Any], base: Config | None = None) -> 
         changes["paths"] = replace(cfg.paths, **checked)
     if "labels" in data:
         changes["labels"] = _labels(cfgval.table("labels", data["labels"]), cfg.labels)
+    if "npd" in data:
+        t = cfgval.table("npd", data["npd"])
+        cfgval.reject_unknown("npd", t, {f.name for f in fields(NpdConfig)})
+        if "enabled" in t:
+            changes["npd"] = NpdConfig(enabled=cfgval.boolean("npd.enabled", t["enabled"]))
     policies = dict(cfg.policies)
     for e in GUARDS:
         if e.name in data:

@@ -32,6 +32,8 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from nodeagent.core.conditions import event_of
+
 log = logging.getLogger("nodeagent.journal")
 
 IDENTIFIER = "nodeagent"
@@ -149,12 +151,18 @@ PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
 
 
 def message(rec: Mapping[str, Any]) -> str:
+    """One line for a person; a record that is a Warning event for node-problem-detector
+    starts with ``nodeagent-event <kind>: `` (the stable token NPD's journald monitor
+    matches: it sees MESSAGE and SYSLOG_IDENTIFIER, not MESSAGE_ID)."""
     kind = str(rec.get("kind", "record"))
     fmt = MESSAGES.get(kind)
     if fmt is not None:
-        return fmt(rec)
-    rest = {k: v for k, v in rec.items() if k not in SKIPPED_KEYS}
-    return f"{kind}: {json.dumps(rest, default=str)[:500]}"
+        text = fmt(rec)
+    else:
+        rest = {k: v for k, v in rec.items() if k not in SKIPPED_KEYS}
+        text = f"{kind}: {json.dumps(rest, default=str)[:500]}"
+    event = event_of(rec)
+    return text if event is None else f"nodeagent-event {event[0]}: {text}"
 
 
 def _value(value: Any) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -357,3 +358,73 @@ def test_the_hold_openshift_scc_allows_exactly_what_the_daemonset_asks() -> None
     ]
     for d in others:
         assert d in docs, f"{d['kind']} {d['metadata']['name']}"
+
+
+# -- node-problem-detector: deploy/npd, a component for NPD's own manifests ----------------
+
+NPD_COMPONENT = DEPLOY / "npd"
+# The shape of NPD's deployment/node-problem-detector.yaml (written here, not copied):
+# the container's command, a ConfigMap at /config, hostPath volumes.
+NPD_DAEMONSET = {
+    "apiVersion": "apps/v1",
+    "kind": "DaemonSet",
+    "metadata": {"name": "node-problem-detector", "namespace": "kube-system"},
+    "spec": {
+        "selector": {"matchLabels": {"app": "node-problem-detector"}},
+        "template": {
+            "metadata": {"labels": {"app": "node-problem-detector"}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "node-problem-detector",
+                        "image": "registry.k8s.io/node-problem-detector/node-problem-detector",
+                        "command": [
+                            "/node-problem-detector",
+                            "--logtostderr",
+                            "--config.system-log-monitor=/config/kernel-monitor.json",
+                        ],
+                        "volumeMounts": [{"name": "config", "mountPath": "/config"}],
+                    }
+                ],
+                "volumes": [
+                    {"name": "config", "configMap": {"name": "node-problem-detector-config"}}
+                ],
+            },
+        },
+    },
+}
+
+
+def test_the_npd_component_mounts_the_agents_files_and_adds_the_monitor(tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    (tmp_path / "npd.yaml").write_text(yaml.safe_dump(NPD_DAEMONSET))
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "namespace": "kube-system",
+                "resources": ["npd.yaml"],
+                "components": [os.path.relpath(NPD_COMPONENT, tmp_path)],
+            }
+        )
+    )
+    docs = rendered(tmp_path)
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    spec, c = daemonset_container(docs)
+    assert (
+        "--config.custom-plugin-monitor=/opt/nodeagent-npd/nodeagent-monitor.json" in c["command"]
+    )
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/run/nodeagent"]["readOnly"] is True, "NPD only reads the agent's files"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/run/nodeagent"]["name"]]["hostPath"]["path"] == "/run/nodeagent"
+    cm_volume = volumes[mounts["/opt/nodeagent-npd"]["name"]]["configMap"]
+    assert cm_volume["defaultMode"] == 0o555, "the plugin must be executable"
+    cm = by_kind(docs, "ConfigMap")
+    assert cm["metadata"]["name"] == cm_volume["name"]
+    assert cm["data"]["nodeagent-npd-check"] == (NPD_COMPONENT / "nodeagent-npd-check").read_text()
+    monitor = json.loads(cm["data"]["nodeagent-monitor.json"])
+    assert {r["path"] for r in monitor["rules"]} == {"/opt/nodeagent-npd/nodeagent-npd-check"}

@@ -1,0 +1,357 @@
+"""node-problem-detector: the plugin run as NPD runs it, against a real running agent.
+
+NPD's custom plugin monitor runs each rule's ``path`` with its ``args``, kills it
+past the rule's ``timeout`` (Unknown), and keeps ``max_output_length`` characters
+of its stdout (plugin/plugin.go). Here the rules come from
+``deploy/npd/nodeagent-monitor.json``; the only changes are where the files are
+(the plugin from this checkout; ``/run/nodeagent`` is the test node's), as
+NPD's DaemonSet patch mounts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nodeagent.core.conditions import (
+    CONDITION_TYPES,
+    EVENT_KINDS,
+    condition_message,
+    event_of,
+    one_line,
+)
+from nodeagent.core.guard import Verdict
+from nodeagent.core.registry import GUARDS
+from nodeagent.journal import message
+from nodeagent.sim.node import READY
+
+from .healthy import healthy_node
+
+REPO = Path(__file__).resolve().parent.parent
+NPD = REPO / "deploy/npd"
+PLUGIN = NPD / "nodeagent-npd-check"
+MONITOR = json.loads((NPD / "nodeagent-monitor.json").read_text())
+JOURNAL_MONITOR = json.loads((NPD / "nodeagent-journal-monitor.json").read_text())
+OUT_MAX = MONITOR["pluginConfig"]["max_output_length"]
+
+
+def seconds(text: str) -> float:
+    m = re.fullmatch(r"(\d+)s", text)
+    assert m, text
+    return float(m.group(1))
+
+
+def rule_for(what: str, name: str) -> dict[str, Any]:
+    (rule,) = [r for r in MONITOR["rules"] if r["args"][-2:] == [what, name]]
+    return rule
+
+
+def run_rule(rule: dict[str, Any], root: Path) -> tuple[int, str]:
+    """As NPD runs it: argv, timeout (killed: Unknown), the output cut."""
+    assert rule["path"] == "/opt/nodeagent-npd/nodeagent-npd-check"
+    args = [a.replace("/run/nodeagent", str(root / "run/nodeagent")) for a in rule["args"]]
+    try:
+        p = subprocess.run(
+            [str(PLUGIN), *args], capture_output=True, text=True, timeout=seconds(rule["timeout"])
+        )
+    except subprocess.TimeoutExpired:
+        return 3, "timeout"
+    out = p.stdout.strip()[:OUT_MAX]
+    assert p.stdout.count("\n") <= 1 and len(p.stdout.rstrip("\n")) <= OUT_MAX, p.stdout
+    return p.returncode, out
+
+
+def condition(guard: str, root: Path) -> tuple[int, str]:
+    return run_rule(rule_for("condition", guard), root)
+
+
+def event(kind: str, root: Path) -> tuple[int, str]:
+    return run_rule(rule_for("event", kind), root)
+
+
+# -- the configs ----------------------------------------------------------------------------
+
+
+def test_the_monitor_has_a_permanent_rule_per_guard_and_a_temporary_one_per_event() -> None:
+    assert MONITOR["plugin"] == "custom" and OUT_MAX == 80
+    declared = {c["type"] for c in MONITOR["conditions"]}
+    permanent = [r for r in MONITOR["rules"] if r["type"] == "permanent"]
+    assert {r["condition"] for r in permanent} == declared == set(CONDITION_TYPES.values())
+    assert {r["args"][-1] for r in permanent} == {e.name for e in GUARDS}
+    for r in permanent:
+        assert CONDITION_TYPES[r["args"][-1]] == r["condition"]
+    temporary = [r for r in MONITOR["rules"] if r["type"] == "temporary"]
+    assert sorted(r["args"][-1] for r in temporary) == sorted(EVENT_KINDS)
+    for r in MONITOR["rules"]:
+        assert seconds(r["timeout"]) <= seconds(MONITOR["pluginConfig"]["timeout"])
+    assert os.access(PLUGIN, os.X_OK), "NPD executes the path: it must be executable"
+
+
+def test_the_journal_monitor_matches_the_journal_message_of_each_event() -> None:
+    assert JOURNAL_MONITOR["plugin"] == "journald"
+    assert JOURNAL_MONITOR["pluginConfig"]["source"] == "nodeagent"  # SYSLOG_IDENTIFIER
+    records = {
+        "peermem-load-failed": {"kind": "action", "guard": "peermem", "action": "load x",
+                                "performed": True, "ok": False, "error": "EINVAL"},
+        "peermem-held-past-budget": {"kind": "held-open", "opener": "modprobe", "seconds": 300,
+                                     "ended": "budget expired"},
+        "storage-in-use": {"kind": "decision", "guard": "storage", "verdict": "in-use",
+                           "ok": False, "reasons": ["rpcrdma is in use"]},
+        "vf-degraded": {"kind": "decision", "guard": "sriov", "verdict": "degraded",
+                        "ok": False, "reasons": ["PF 0000:01:00.0 VF 3: timeout"]},
+    }  # fmt: skip
+    assert sorted(records) == sorted(EVENT_KINDS)
+    patterns = {r["reason"]: r["pattern"] for r in JOURNAL_MONITOR["rules"]}
+    for kind, rec in records.items():
+        assert event_of(rec) is not None and event_of(rec)[0] == kind  # type: ignore[index]
+        text = message(rec)
+        matching = [r for r, pat in patterns.items() if re.fullmatch(pat, text)]
+        assert len(matching) == 1, (kind, text)
+    quiet = {"kind": "decision", "guard": "storage", "verdict": "clear", "ok": True}
+    assert not any(re.fullmatch(p, message(quiet)) for p in patterns.values())
+
+
+def test_condition_messages_are_one_printable_line_of_80() -> None:
+    v = Verdict("peermem", "closed", False, ("MOFED\nis restarting \x1b[31m" + "x" * 200,))
+    msg = condition_message(v)
+    assert len(msg) <= 80 and msg.isprintable() and msg.isascii() and msg.endswith("...")
+    assert one_line("a\tb\u00e9c") == "a b c"
+
+
+# -- against a real running agent -----------------------------------------------------------
+
+AGENT_CONFIG = """
+mode = "observe"
+resync_seconds = 0.3
+uevents = false
+journal = false
+metrics_address = "off"
+[npd]
+enabled = true
+"""
+PF = "sys/bus/pci/devices/0000:01:00.0"
+
+
+def start_agent(root: Path) -> subprocess.Popen[str]:
+    config = root.parent / f"{root.name}.toml"
+    config.write_text(AGENT_CONFIG)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root), "--config",
+         str(config)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def until(pred: Any, what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
+    root = tmp_path / "node"
+    healthy_node(root).kernel.uevent_source.close()
+    proc = start_agent(root)
+    try:
+        until((root / "run/nodeagent/npd/heartbeat").exists, "the first heartbeat")
+        yield root, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_each_guards_condition_and_the_agent_dead(
+    agent: tuple[Path, subprocess.Popen[str]],
+) -> None:
+    root, proc = agent
+    healthy = {"peermem": "peermem open", "storage": "storage clear", "sriov": "sriov stable"}
+    for guard, words in healthy.items():
+        assert condition(guard, root) == (0, words)
+    for kind in EVENT_KINDS:
+        assert event(kind, root)[0] == 0
+
+    # peermem: MOFED not ready -> the gate closes.
+    (root / READY).unlink()
+    _, out = until(lambda: (c := condition("peermem", root))[0] == 1 and c, "peermem closed")
+    assert out.startswith("peermem closed: ")
+    # storage: rpcrdma loaded with an NFS-over-RDMA mount while MOFED is pending (its flag
+    # was seen, then removed): in use, a problem and a Warning event.
+    mod = root / "sys/module/rpcrdma"
+    (mod / "holders").mkdir(parents=True)
+    (mod / "initstate").write_text("live\n")
+    (mod / "refcnt").write_text("1\n")
+    (root / "proc/1").mkdir(parents=True, exist_ok=True)
+    (root / "proc/1/mountinfo").write_text(
+        "22 1 259:2 / / rw - ext4 /dev/nvme0n1p2 rw\n"
+        "120 22 0:52 / /mnt/data rw - nfs4 10.0.0.5:/export rw,vers=4.2,proto=rdma\n"
+    )
+    _, out = until(lambda: (c := condition("storage", root))[0] == 1 and c, "storage in use")
+    assert out.startswith("storage in-use: ")
+    _, out = until(lambda: (e := event("storage-in-use", root))[0] == 1 and e, "the event")
+    assert out.startswith("storage chain in use while MOFED waits: ")
+    # sriov: a PF never snapshotted that reads badly -> unknown, a problem.
+    pf = root / PF
+    pf.mkdir(parents=True)
+    (pf / "sriov_totalvfs").write_text("four\n")
+    (pf / "sriov_numvfs").write_text("0\n")
+    _, out = until(lambda: (c := condition("sriov", root))[0] == 1 and c, "sriov unknown")
+    assert out.startswith("sriov unknown: PF 0000:01:00.0 not guarded")
+
+    # Dead: kill -9 leaves a heartbeat that goes stale within the rule's -a 5.
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    _, out = until(lambda: (c := condition("peermem", root))[0] == 3 and c, "stale", 12)
+    assert out.startswith("nodeagent stale: no heartbeat for ")
+    assert event("storage-in-use", root)[0] == 0, "a dead agent raises no event"
+
+
+def test_a_clean_stop_is_unknown_at_once(agent: tuple[Path, subprocess.Popen[str]]) -> None:
+    root, proc = agent
+    assert condition("peermem", root)[0] == 0
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+    assert condition("peermem", root) == (3, f"nodeagent not running: no heartbeat in {root}"
+                                          "/run/nodeagent/npd"[:80])  # fmt: skip
+
+
+def test_an_idle_healthy_agent_is_never_stale(agent: tuple[Path, subprocess.Popen[str]]) -> None:
+    """Staleness is judged by the heartbeat the loop renews every second, not by passes:
+    an idle agent with no open gate (peermem closed) still beats."""
+    root, _proc = agent
+    (root / READY).unlink()
+    until(lambda: condition("peermem", root)[0] == 1, "peermem closed")
+    for _ in range(8):  # past the 5 s max age, with nothing happening on the node
+        assert condition("peermem", root)[0] == 1
+        time.sleep(1)
+
+
+# -- the plugin on files of any shape -----------------------------------------------------
+
+
+def _boot() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _uptime() -> int:
+    return int(float(Path("/proc/uptime").read_text().split()[0]))
+
+
+def npd_dir(tmp: Path, heartbeat: str | bytes | None, cond: str | bytes | None) -> Path:
+    d = tmp / "run/nodeagent/npd"
+    d.mkdir(parents=True, exist_ok=True)
+    for name, data in (("heartbeat", heartbeat), ("peermem", cond)):
+        f = d / name
+        if f.is_symlink() or f.exists():
+            f.unlink()
+        if data is not None:
+            f.write_bytes(data.encode() if isinstance(data, str) else data)
+    return tmp
+
+
+def good_heartbeat() -> str:
+    return f"version=1\nboot_id={_boot()}\nbeat={_uptime()}\n"
+
+
+def good_condition(status: str = "ok") -> str:
+    return f"version=1\nstatus={status}\nboot_id={_boot()}\nmessage=peermem open\n"
+
+
+@pytest.mark.parametrize(
+    ("heartbeat", "cond", "code", "words"),
+    [
+        (None, None, 3, "nodeagent not running"),
+        ("", None, 3, "nodeagent not running"),
+        (b"\x00\xff" * 3000, None, 3, "nodeagent not running"),
+        ("version=1\nboot_id=other\nbeat=1\n", None, 3, "has not run since this boot"),
+        (lambda: f"version=1\nboot_id={_boot()}\nbeat={_uptime() + 1000}\n", None, 3, "unreadable"),
+        (lambda: f"version=1\nboot_id={_boot()}\nbeat=12a\n", None, 3, "unreadable"),
+        (lambda: f"version=1\nboot_id={_boot()}\nbeat={_uptime() - 60}\n", None, 3, "stale"),
+        (lambda: f"version=2\nboot_id={_boot()}\nbeat={_uptime()}\n", None, 3, "not running"),
+        (good_heartbeat, None, 3, "no readable peermem condition"),
+        (good_heartbeat, "status=ok\n", 3, "no readable peermem condition"),
+        (good_heartbeat, lambda: good_condition("maybe"), 3, "status unreadable"),
+        (good_heartbeat, "version=1\nstatus=ok\nboot_id=x\nmessage=m\n", 3, "another boot"),
+        (good_heartbeat, lambda: good_condition() + "x" * 1_000_000, 0, "peermem open"),
+        (good_heartbeat, lambda: good_condition("problem"), 1, "peermem open"),
+        (good_heartbeat, good_condition, 0, "peermem open"),
+    ],
+)  # fmt: skip
+def test_files_of_any_shape_give_a_clean_answer(
+    tmp_path: Path, heartbeat: Any, cond: Any, code: int, words: str
+) -> None:
+    hb = heartbeat() if callable(heartbeat) else heartbeat
+    cd = cond() if callable(cond) else cond
+    root = npd_dir(tmp_path, hb, cd)
+    got = condition("peermem", root)
+    assert got[0] == code and words in got[1], got
+
+
+@pytest.mark.parametrize("odd", ["fifo", "directory", "symlink"])
+@pytest.mark.parametrize("which", ["heartbeat", "peermem"])
+def test_a_fifo_directory_or_symlink_is_unknown_and_never_blocks(
+    tmp_path: Path, odd: str, which: str
+) -> None:
+    root = npd_dir(tmp_path, good_heartbeat(), good_condition())
+    f = root / "run/nodeagent/npd" / which
+    real = f.with_name(f"{which}.real")
+    f.rename(real)
+    if odd == "fifo":
+        os.mkfifo(f)
+    elif odd == "directory":
+        f.mkdir()
+    else:
+        f.symlink_to(real.name)
+    code, out = condition("peermem", root)  # a FIFO read would block: timeout -> 3 "timeout"
+    assert code == 3 and out != "timeout", out
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(content=st.binary(max_size=600))
+def test_a_condition_file_of_any_bytes(tmp_path: Path, content: bytes) -> None:
+    root = npd_dir(tmp_path, good_heartbeat(), content)
+    code, out = condition("peermem", root)
+    assert code in (0, 1, 3) and len(out) <= OUT_MAX
+    if code != 3:  # only what the agent writes is OK or a problem
+        assert b"version=1" in content and f"boot_id={_boot()}".encode() in content
+
+
+def test_npd_files_that_cannot_be_written_are_a_problem_and_the_pass_goes_on(
+    tmp_path: Path,
+) -> None:
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config, NpdConfig
+
+    root = tmp_path / "node"
+    healthy_node(root).kernel.uevent_source.close()
+    (root / "run/nodeagent").mkdir(parents=True, exist_ok=True)
+    (root / "run/nodeagent/npd").write_text("a file where the directory should be")
+    cfg = Config(host_root=str(root), mode="observe", uevents=False, npd=NpdConfig(enabled=True))
+    agent = Agent(cfg, kernel_log=lambda m: [])
+    try:
+        result = agent.run_once()
+    finally:
+        agent.close()
+    status = json.loads((root / "run/nodeagent/status.json").read_text())
+    (problem,) = [p for p in status["problems"] if "node-problem-detector" in p]
+    assert problem.startswith("node-problem-detector files not written (run/nodeagent/npd")
+    assert result.verdicts["peermem"].ok and (root / "run/nodeagent/peermem.gate").exists()
