@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from nodeagent.agent import build_reconciler
-from nodeagent.config import Config, config_from_mapping
+from nodeagent.config import Config, config_from_mapping, parse_address
 from nodeagent.metrics import MetricsExporter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +135,7 @@ def test_the_configmap_holds_a_config_the_agent_accepts() -> None:
 def daemonset_container(docs: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], Any]:
     ds = by_kind(docs, "DaemonSet")
     spec = ds["spec"]["template"]["spec"]
-    (container,) = spec["containers"]
+    (container,) = [c for c in spec["containers"] if c["name"] == ds["metadata"]["name"]]
     return spec, container
 
 
@@ -171,9 +171,13 @@ def test_the_daemonset_asks_for_least_privilege() -> None:
 
     env = {e["name"]: e for e in c["env"]}
     assert env["NODEAGENT_HOST_ROOT"]["value"] == "/host"
-    assert env["NODEAGENT_METRICS_ADDRESS"]["value"] == "$(POD_IP):9808"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The agent's endpoint stays on loopback (its default): nothing in the pod moves it.
+    assert "NODEAGENT_METRICS_ADDRESS" not in env and "ports" not in c
+    assert "metrics_address" not in tomllib.loads(agent_config(rendered(BASE)))
+    host, port = parse_address(Config().metrics_address)
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        get = c[probe]["httpGet"]
+        assert (get["host"], get["port"], get["path"]) == (host, port, path)
     assert c["resources"]["limits"]["memory"] and c["resources"]["requests"]["memory"]
     assert c["args"][0] == "run"
 
@@ -187,8 +191,54 @@ def test_servicemonitor_scrapes_the_service() -> None:
     ports = {p["name"] for p in svc["spec"]["ports"]}
     for ep in sm["spec"]["endpoints"]:
         assert ep["port"] in ports and ep["path"] == "/metrics"
-    _, c = daemonset_container(docs)
-    assert {p["name"] for p in c["ports"]} >= ports
+        assert ep["scheme"] == "https" and ep["bearerTokenFile"].endswith("/token")
+    proxy = proxy_container(docs)
+    assert {p["name"] for p in proxy["ports"]} >= ports
+
+
+def proxy_container(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    spec = by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (proxy,) = [c for c in spec["containers"] if c["name"] == "kube-rbac-proxy"]
+    return proxy
+
+
+@pytest.mark.parametrize("directory", [BASE, OPENSHIFT, HOLD], ids=["base", "openshift", "hold"])
+def test_metrics_reach_the_cluster_only_through_kube_rbac_proxy(directory: Path) -> None:
+    """As kube-prometheus ships node-exporter: the agent on loopback, the proxy on the
+    node's address with TLS, checking each scrape's token; only the proxy holds one."""
+    docs = rendered(directory)
+    spec, agent = daemonset_container(docs)
+    proxy = proxy_container(docs)
+    args = dict(a.split("=", 1) for a in proxy["args"])
+    host, port = parse_address(Config().metrics_address)
+    assert host == "127.0.0.1", "the agent's own default is loopback"
+    assert args["--upstream"] == f"http://{host}:{port}/"
+    assert args["--secure-listen-address"] == f"[$(IP)]:{port}"
+    assert args["--allow-paths"] == "/metrics"
+    assert args["--tls-min-version"] == "VersionTLS12"
+    env = {e["name"]: e for e in proxy["env"]}
+    assert env["IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    sc = proxy["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    # The token: projected into the proxy alone; the pod mounts none.
+    assert spec["automountServiceAccountToken"] is False
+    token_dir = "/var/run/secrets/kubernetes.io/serviceaccount"
+    (mount,) = [m for m in proxy["volumeMounts"] if m["mountPath"] == token_dir]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    sources = volumes[mount["name"]]["projected"]["sources"]
+    assert any("serviceAccountToken" in src for src in sources)
+    assert not any(m["name"] == mount["name"] for m in agent["volumeMounts"])
+    roles = [d for d in docs if d["kind"] == "ClusterRole"
+             and d["metadata"]["name"] == "nodeagent-kube-rbac-proxy"]  # fmt: skip
+    (role,) = roles
+    assert role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"],
+         "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"],
+         "verbs": ["create"]},
+    ]  # fmt: skip
 
 
 def rules() -> Iterator[dict[str, Any]]:
@@ -245,7 +295,8 @@ def test_openshift_scc_allows_exactly_what_the_daemonset_asks() -> None:
     assert sc["seLinuxOptions"]["type"] == "spc_t"
     kinds = {v_kind for v in spec["volumes"] for v_kind in v if v_kind != "name"}
     assert kinds <= set(scc["volumes"])
-    role = by_kind(docs, "ClusterRole")
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"
+               and d["metadata"]["name"] != "nodeagent-kube-rbac-proxy"]  # fmt: skip
     assert role["rules"] == [
         {
             "apiGroups": ["security.openshift.io"],
@@ -254,7 +305,8 @@ def test_openshift_scc_allows_exactly_what_the_daemonset_asks() -> None:
             "verbs": ["use"],
         }
     ]
-    binding = by_kind(docs, "ClusterRoleBinding")
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"
+                  and d["roleRef"]["name"] == role["metadata"]["name"]]  # fmt: skip
     (subject,) = binding["subjects"]
     assert (subject["name"], subject["namespace"]) == ("nodeagent", "nodeagent")
 
