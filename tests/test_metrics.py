@@ -22,7 +22,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeagent.agent import PassResult
+from nodeagent.agent import PassResult, build_reconciler
 from nodeagent.cli import main
 from nodeagent.config import Config, load_config
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
@@ -392,3 +392,62 @@ def test_the_actuator_stamps_each_outcome_with_its_timing(tmp_path: Path) -> Non
     failed = act.perform(UnloadModule(guard="g", module="busy", reason="r"))
     assert (ok.ok, ok.finished_at, ok.seconds) == (True, 10.5, 0.5)
     assert (failed.ok, failed.finished_at, failed.seconds) == (False, 20.25, 0.25)
+
+
+# -- the endpoint, bounded ------------------------------------------------------------------
+
+
+def test_slow_clients_hold_neither_threads_nor_the_endpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Slowloris: clients that send a byte now and then. At the connection cap the oldest
+    one still sending its request is closed to make room; each is closed at its
+    request's deadline whatever it sends; the endpoint answers a probe afterwards.
+    (Before: one thread each, kept for ever.)"""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from nodeagent import metrics as m
+
+    monkeypatch.setattr(m, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(m, "REQUEST_DEADLINE_S", 1.0)
+    exporter = MetricsExporter(
+        build_reconciler(Config()).guards, mode="observe", liveness_seconds=60
+    )
+    with socket.socket() as probe:  # a free port (the address parser refuses port 0)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = m.MetricsServer(exporter, f"127.0.0.1:{port}")
+    baseline = threading.active_count()
+    clients: list[socket.socket] = []
+    try:
+        for _ in range(40):
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            c.sendall(b"GET /metrics HTTP/1.1\r\n")
+            clients.append(c)
+        deadline = time.monotonic() + 10
+        closed = 0
+        while time.monotonic() < deadline and closed < len(clients):
+            assert threading.active_count() <= baseline + 4, "a thread per slow client"
+            closed = 0
+            for c in clients:
+                try:
+                    c.sendall(b"X")  # a byte now and then: a per-read timeout never fires
+                    c.settimeout(0.01)
+                    closed += c.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except OSError:  # reset: closed by the server
+                    closed += 1
+            time.sleep(0.2)
+        assert closed == len(clients), f"{len(clients) - closed} slow clients still held"
+        assert server._httpd.evicted > 0, "the cap made room by closing slow clients"
+        url = f"http://127.0.0.1:{server.port}/healthz"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            assert r.status in (200, 503)
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
