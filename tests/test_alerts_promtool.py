@@ -195,6 +195,10 @@ def test_the_gate_alert_fires_after_ten_minutes_closed_with_mofed_ready(
         # gpu-5: another guard closed with MOFED ready.
         _series(ok, "0x62", "gpu-5", guard="storage"),
         _series(ready, "1x62", "gpu-5"),
+        # gpu-6: closed for a rebuild with MOFED ready: NodeagentPeermemNeedsRebuild's.
+        _series(ok, "0x62", "gpu-6", guard="peermem"),
+        _series(ready, "1x62", "gpu-6"),
+        _series("nodeagent_peermem_rebuild_needed", "1x62", "gpu-6"),
     ]
     summary = "nvidia_peermem gate closed for 10m on gpu-1 although MOFED is ready"
     fired = _firing(name, "warning", summary, "gpu-1", guard="peermem")
