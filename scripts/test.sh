@@ -18,6 +18,10 @@ cd "$(dirname "$0")/.."
 # Debian base bootstrapped into ~/.cache, the Dockerfile built (layers cached).
 .venv/bin/python -m tests.image_setup >/dev/null \
   || echo "image setup unavailable: the image tests will be skipped (reason above)" >&2
+# Debian's prometheus (promtool for the alert tests, the server for the real scrape),
+# installed as root when missing, its service never started.
+.venv/bin/python -m tests.prometheus_setup >/dev/null \
+  || echo "prometheus setup unavailable: the promtool and scrape tests will be skipped" >&2
 # Debian's Chromium for the HTML timeline test (installed as root when missing).
 .venv/bin/python -m tests.chromium_setup >/dev/null \
   || echo "chromium setup unavailable: the headless-browser test will be skipped" >&2
