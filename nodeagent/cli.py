@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--since", help="30m, 2h, an ISO 8601 time, or epoch seconds")
     tl.add_argument("--format", choices=["text", "html"], default="text")
 
+    explain = sub.add_parser(
+        "explain", help="name the race in logs you have (kubectl logs, dmesg, journalctl)"
+    )
+    explain.add_argument("files", nargs="*", metavar="FILE", help="log files (default: stdin)")
+    explain.add_argument("--json", action="store_true", help="one JSON object: incidents")
+
     sim = sub.add_parser(
         "simulate", help="replay the seed incidents on a simulated node", add_help=False
     )
@@ -121,6 +127,8 @@ def _main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help/--version (0) or a usage error already printed (2)
         return int(exc.code or 0) if isinstance(exc.code, int | None) else EXIT_USAGE
+    if args.command == "explain":  # reads logs, not the node: no config
+        return cmd_explain(args.files, args.json)
     try:
         _check_config_file(args.config)
         cfg = load_config(
@@ -197,6 +205,52 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
         finally:
             exporters.close()
     return 0
+
+
+def cmd_explain(files: list[str], as_json: bool) -> int:
+    """Exit 0 whatever was recognised; 2 when no input could be read at all."""
+    from nodeagent.core.explain import Explainer
+    from nodeagent.host.logs import explain_inputs
+
+    ex = Explainer()
+    read, problems = explain_inputs(files, ex)
+    for p in problems:
+        print(f"nodeagent explain: {safe(p)}", file=sys.stderr)
+    if read == 0:
+        return EXIT_USAGE
+    report = ex.report()
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    incidents = report["incidents"]
+    print(f"{len(incidents) or 'nothing'} recognised in {report['lines']} lines of {read} input(s)")
+    for inc in incidents:
+        print(f"\n{inc['kind']}: {inc['title']}")
+        for e in inc["evidence"]:
+            print(f"  {safe(e['file'])}:{e['line']}: {safe(e['text'])}")
+        print(f"  remedy: {inc['remedy']}")
+        if inc["prevented_by"]:
+            print(
+                f"  nodeagent prevents it in: {', '.join(inc['prevented_by'])} (deploy/README.md)"
+            )
+        if inc["not_prevented_by"]:
+            print(f"  not prevented in: {', '.join(inc['not_prevented_by'])}")
+        print(f"  known from: {'; '.join(inc['sources'])}")
+    for note in report.get("ambiguous", []):
+        print(f"\nambiguous: {note}")
+    seen = report.get("seen")
+    if seen:
+        if seen["modules"]:
+            print(f"modules mentioned: {', '.join(seen['modules'])}")
+        for e in seen["errors"]:
+            print(f"error line: {safe(e['file'])}:{e['line']}: {safe(e['text'])}")
+        if seen["harmless"]:
+            e = seen["harmless"][0]
+            print(
+                f"harmless: {safe(e['file'])}:{e['line']}: a loaded nvidia-peermem's runtime "
+                "message (nv_get_p2p_free_callback), not a load or ordering failure"
+            )
+    return EXIT_OK
 
 
 def cmd_check(cfg: Config, as_json: bool) -> int:

@@ -1,0 +1,90 @@
+"""``nodeagent explain`` on a large log: throughput and peak memory, as a user runs it.
+
+A synthetic journal-style log of ``--size`` bytes (kernel and container lines,
+with the seed-001 race's evidence near the end), then ``nodeagent explain
+--json FILE`` in its own process: wall time, MB/s, and its peak RSS (the
+child's ru_maxrss), beside the same for a log a tenth of the size (memory must
+not grow with the input).
+
+    .venv/bin/python bench/explain.py [--size 1G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+LINES = [
+    b"Nov 21 11:50:%02d gpu-1 kubelet[2121]: I1121 11:50:00.000000 2121 kubelet.go:2415] "
+    b"SyncLoop (PLEG): event for pod nvidia-gpu-operator/nvidia-dcgm-exporter-x7k2p\n",
+    b'Nov 21 11:50:%02d gpu-1 containerd[1010]: time="2025-11-21T11:50:00Z" level=info '
+    b'msg="StartContainer for \\"3f2a\\" returns successfully"\n',
+    b"Nov 21 11:50:%02d gpu-1 kernel: mlx5_core 0000:01:00.0: E-Switch: Enable: mode(LEGACY), "
+    b"nvfs(0), active vports(0)\n",
+]
+EVIDENCE = (
+    b"Nov 21 11:51:06 gpu-1 mofed[3030]: [21-Nov-25_11:51:06] Unsetting driver ready state\n"
+    b"Nov 21 11:51:41 gpu-1 driver[4040]: modprobe: ERROR: could not insert 'nvidia_peermem': "
+    b"Invalid argument\n"
+)
+
+
+def size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def make_log(path: Path, n: int) -> None:
+    block = b"".join(line % (i % 60) for i in range(300) for line in LINES)
+    with path.open("wb") as fh:
+        written = 0
+        while written < n:
+            fh.write(block)
+            written += len(block)
+        fh.write(EVIDENCE)
+
+
+def run(path: Path) -> tuple[float, float, list[str]]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "explain", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    took = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    kinds = [i["kind"] for i in json.loads(p.stdout)["incidents"]]
+    return took, max(peak, before) / 1024, kinds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="1G")
+    args = ap.parse_args(argv)
+    print(f"$ .venv/bin/python bench/explain.py {' '.join(argv or sys.argv[1:])}".rstrip())
+    n = size(args.size)
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        for each in (n // 10, n):
+            log = Path(tmp) / "journal.log"
+            make_log(log, each)
+            actual = log.stat().st_size
+            took, peak, kinds = run(log)
+            print(
+                f"{actual / 1e6:,.0f} MB: {took:.1f} s, {actual / 1e6 / took:,.0f} MB/s, "
+                f"peak RSS {peak:.0f} MiB (so far, this process's children), found {kinds}"
+            )
+            log.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
