@@ -42,8 +42,8 @@ PREFILTER_WORDS = (
 )
 
 
-def may_have_evidence(chunk: bytes) -> bool:
-    lower = chunk.lower()
+def may_have_evidence(lower: bytes) -> bool:
+    """``lower``: a chunk, lower-cased (once, by the caller)."""
     return any(word in lower for word in PREFILTER_WORDS)
 
 

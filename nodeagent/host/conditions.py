@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +26,7 @@ from nodeagent.core.conditions import (
 )
 from nodeagent.core.guard import Verdict
 from nodeagent.errors import NodeagentError
-from nodeagent.host.fs import HostRoot
+from nodeagent.host.fs import HostRoot, reason
 from nodeagent.host.gatefile import boot_id, lease_clock
 
 log = logging.getLogger("nodeagent.npd")
@@ -61,7 +60,7 @@ class NpdFiles:
             self._beat()
         except (OSError, NodeagentError) as exc:
             self._shown.clear()  # written again, whole, once it can be
-            return self._say(f"node-problem-detector files not written ({self.dir}: {_why(exc)})")
+            return self._say(f"node-problem-detector files not written ({self.dir}: {reason(exc)})")
         return self._say(None)
 
     def beat(self) -> str | None:
@@ -69,7 +68,7 @@ class NpdFiles:
         try:
             self._beat()
         except (OSError, NodeagentError) as exc:
-            return self._say(f"node-problem-detector heartbeat not written: {_why(exc)}")
+            return self._say(f"node-problem-detector heartbeat not written: {reason(exc)}")
         return self._say(None)
 
     def on_record(self, rec: Mapping[str, Any]) -> None:
@@ -82,16 +81,12 @@ class NpdFiles:
             text = event_text(self.clock(), self.boot, message)
             self.host.write_atomic(f"{self.dir}/events/{kind}", text.encode())
         except (OSError, NodeagentError) as exc:
-            self._say(f"node-problem-detector event {kind} not written: {_why(exc)}")
+            self._say(f"node-problem-detector event {kind} not written: {reason(exc)}")
 
     def stop(self) -> None:
         """At a clean stop: no heartbeat, so the plugin says Unknown, not a stale OK."""
         with contextlib.suppress(OSError, NodeagentError):
-            dfd = self.host.open_dir(self.dir, create=False)
-            try:
-                os.unlink("heartbeat", dir_fd=dfd)
-            finally:
-                os.close(dfd)
+            self.host.remove(f"{self.dir}/heartbeat")
 
     def _beat(self) -> None:
         text = heartbeat_text(self.clock(), self.boot)
@@ -106,7 +101,3 @@ class NpdFiles:
                 log.error("%s", problem)
             self._problem = problem
         return problem
-
-
-def _why(exc: Exception) -> str:
-    return str(getattr(exc, "strerror", None) or exc)

@@ -275,6 +275,7 @@ class FileWatch:
                 continue
             if not (watch.everything or name in watch.on_the_way):
                 continue
+            # As _hold, inline: under a storm the description is built only when kept.
             word = next((w for bit, w in _EVENT_WORDS if mask & bit), "changed")
             if len(self._held) < REASONS_MAX:
                 self._held.append(f"inotify {word} {watch.directory / os.fsdecode(name)}")

@@ -462,6 +462,13 @@ class HostRoot:
             os.close(dfd)
 
 
+def reason(exc: BaseException) -> str:
+    """An error in a problem line: the OS's words when there are some."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
 def read_capped(fd: int, limit: int) -> bytes:
     """Read to EOF from ``fd``; OSError(EFBIG) past ``limit`` bytes (no up-front buffer)."""
     chunks: list[bytes] = []

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from nodeagent.errors import NodeagentError
-from nodeagent.host.fs import MARKER_MAX, HostRoot
+from nodeagent.host.fs import MARKER_MAX, HostRoot, reason
 from nodeagent.host.state import dumps, strict_json
 
 LEASE_S = 3.0  # how long an open gate file vouches for the decision without a renewal
@@ -136,7 +136,7 @@ class GateFiles:
             try:
                 self.host.remove(self.rel(guard))
             except (OSError, NodeagentError) as exc:
-                problems.append(f"cannot withdraw {self.rel(guard)}: {_why(exc)}")
+                problems.append(f"cannot withdraw {self.rel(guard)}: {reason(exc)}")
         return problems
 
     def confirm(
@@ -181,7 +181,7 @@ class GateFiles:
                 else:
                     problems.extend(self.withdraw([guard]))
             except (OSError, NodeagentError) as exc:
-                problems.append(f"cannot publish {self.rel(guard)}: {_why(exc)}")
+                problems.append(f"cannot publish {self.rel(guard)}: {reason(exc)}")
                 problems.extend(self.withdraw([guard]))
         return published, problems
 
@@ -199,7 +199,7 @@ class GateFiles:
         except FileNotFoundError:
             return GateReading(False, f"closed: no gate file at {rel}")
         except OSError as exc:
-            return GateReading(False, f"closed: {rel} unreadable ({_why(exc)})")
+            return GateReading(False, f"closed: {rel} unreadable ({reason(exc)})")
         try:
             doc = strict_json(raw)
             if not isinstance(doc, dict):
@@ -217,9 +217,3 @@ class GateFiles:
 
 def _finite(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc)

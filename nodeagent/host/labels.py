@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 from nodeagent.core.labels import FILE_NAME, features_file
 from nodeagent.errors import NodeagentError
-from nodeagent.host.fs import HostRoot
+from nodeagent.host.fs import HostRoot, reason
 
 log = logging.getLogger("nodeagent.labels")
 
@@ -56,7 +56,7 @@ class FeatureFile:
             self.host.write_atomic(self.rel, features_file(labels, expires).encode())
         except (OSError, NodeagentError) as exc:
             self._labels = None
-            return self._say(f"node labels not written ({self.rel}: {_why(exc)})")
+            return self._say(f"node labels not written ({self.rel}: {reason(exc)})")
         self._labels, self._expires = dict(labels), now + self.expiry
         self._ident = self.host.file_fact(self.rel).ident
         return self._say(None)
@@ -65,17 +65,9 @@ class FeatureFile:
         """At a clean stop: the labels go with the agent."""
         self._labels = None
         try:
-            dfd = self.host.open_dir(self.dir, create=False)
-        except (OSError, NodeagentError):
-            return
-        try:
-            os.unlink(FILE_NAME, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("node labels left in %s: %s", self.rel, exc.strerror)
-        finally:
-            os.close(dfd)
+            self.host.remove(self.rel)
+        except (OSError, NodeagentError) as exc:
+            log.warning("node labels left in %s: %s", self.rel, reason(exc))
 
     def _check_dir(self) -> None:
         """The directory exists (NFD's hostPath); the agent never creates it."""
@@ -95,7 +87,3 @@ class FeatureFile:
                 log.info("node labels written again to %s", self.rel)
             self._problem = problem
         return problem
-
-
-def _why(exc: Exception) -> str:
-    return str(getattr(exc, "strerror", None) or exc)

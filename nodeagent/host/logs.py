@@ -73,12 +73,10 @@ def explain_inputs(paths: list[str], ex: Explainer) -> tuple[int, list[str]]:
 
 def _wanted(chunk: bytes, ex: Explainer) -> bool:
     """Split into lines only a chunk with evidence, or error lines still wanted."""
-    if may_have_evidence(chunk):
-        return True
-    if len(ex.errors) >= 5:
-        return False
     lower = chunk.lower()
-    return b"error" in lower or b"fail" in lower
+    if may_have_evidence(lower):
+        return True
+    return len(ex.errors) < 5 and (b"error" in lower or b"fail" in lower)
 
 
 def _open(path: str) -> BinaryIO:
