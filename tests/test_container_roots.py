@@ -118,6 +118,89 @@ def test_marks_read_back_from_fdinfo() -> None:
     assert parse_marked_devices(text) == {os.makedev(0, 0x2D), os.makedev(8, 3)}
 
 
+# -- a gone root's container: alive or not, decided after the marks were read -----
+
+
+class FakeProc:
+    """A ``/proc`` of one matching process whose overlay is device 77: the seam the
+    scanner takes (``proc``, ``dev_of``, ``fs_type``, the group's marks)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.dir = tmp / "proc"
+        self.pid = 4242
+        (self.dir / str(self.pid)).mkdir(parents=True)
+        (self.dir / str(self.pid) / "cmdline").write_bytes(b"nvidia-driver\0init\0")
+        self.marks: set[int] = set()
+        self.root_resolves = True  # what the kernel's /proc/<pid>/root does
+        self.on_marks_read: Callable[[], None] = lambda: None
+
+    def scanner(self) -> RootScanner:
+        def dev_of(path: str) -> int | None:
+            if path.endswith("/1/root"):
+                return 1  # the host's root
+            return 77 if self.root_resolves else None
+
+        def marks() -> set[int]:
+            seen = set(self.marks)
+            self.on_marks_read()
+            return seen
+
+        return RootScanner(
+            lambda root: self.marks.add(77),
+            marks,
+            DRIVER_CONTAINER_RULES,
+            proc=str(self.dir),
+            fs_type=lambda path: 0x794C7630,
+            dev_of=dev_of,
+        )
+
+
+def test_a_zombie_container_is_not_alive_when_its_root_goes(tmp_path: Path) -> None:
+    """The race issue 35 found: the pid is still listed (a zombie, not yet reaped) but
+    its root no longer resolves; its overlay's mark is gone."""
+    fake = FakeProc(tmp_path)
+    scanner = fake.scanner()
+    scanner.prepare()
+    scanner.scan()
+    assert [r.dev for r in scanner.roots()] == [77]
+    fake.marks.clear()  # the namespace went: the kernel dropped the mark
+    fake.root_resolves = False  # exit_fs: a zombie's root link is ENOENT
+    scanner.scan()
+    (gone,) = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
+    assert gone["pid"] == fake.pid and gone["container_alive"] is False
+
+
+def test_a_container_that_exits_between_listing_and_marks_is_not_alive(
+    tmp_path: Path,
+) -> None:
+    """The other order: listed alive, then it exits while the marks are read."""
+    fake = FakeProc(tmp_path)
+    scanner = fake.scanner()
+    scanner.prepare()
+    scanner.scan()
+
+    def exits() -> None:
+        shutil.rmtree(fake.dir / str(fake.pid))
+        fake.root_resolves = False
+
+    fake.marks.clear()
+    fake.on_marks_read = exits
+    scanner.scan()
+    (gone,) = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
+    assert gone["container_alive"] is False
+
+
+def test_a_root_unmounted_under_a_running_container_says_it_is_alive(tmp_path: Path) -> None:
+    fake = FakeProc(tmp_path)
+    scanner = fake.scanner()
+    scanner.prepare()
+    scanner.scan()
+    fake.marks.clear()  # e.g. a lazy unmount of its root: the process still runs
+    scanner.scan()
+    (gone,) = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
+    assert gone["container_alive"] is True
+
+
 # -- real containers, real marks ------------------------------------------------
 
 
@@ -224,6 +307,27 @@ def test_a_driver_container_is_marked_as_it_starts_and_dropped_when_it_goes(rig:
         assert all(m["command"].endswith("nvidia-driver init") for m in marked)
     finally:
         scanner.stop()
+
+
+def test_a_real_zombie_container_is_reported_gone_and_not_alive(rig: Rig) -> None:
+    """Its entrypoint exits and is not reaped: its pid stays listed in /proc as a zombie
+    while the kernel drops its overlay's mark. Every time, no timing involved."""
+    scanner = _scanner(rig)
+    try:
+        c = rig.start()
+        until(lambda: scanner.roots(), "the driver container's root was not marked")
+        assert c.proc.stdin is not None
+        c.proc.stdin.close()  # it ends; nobody waits for it yet
+        until(lambda: not scanner.roots(), "the exited container's root is still listed")
+        assert _state(c.pid) == "Z"  # still listed: a zombie
+        (gone,) = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
+        assert gone["pid"] == c.pid and gone["container_alive"] is False
+    finally:
+        scanner.stop()
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_only_matching_containers_and_only_their_own_overlay(rig: Rig) -> None:

@@ -168,7 +168,7 @@ class RootScanner:
             self._problem(f"cannot list {self.proc}: {exc.strerror or exc}")
             return
         self._settled &= pids
-        self._retire(pids)  # first: a freed overlay's device number may be reused at once
+        self._retire()  # first: a freed overlay's device number may be reused at once
         young = {p: t for p, t in self._young.items() if p in pids}
         for pid in pids - self._settled - young.keys():
             young[pid] = now
@@ -232,7 +232,7 @@ class RootScanner:
         )
         return True
 
-    def _retire(self, pids: set[int]) -> None:
+    def _retire(self) -> None:
         """Drop roots the kernel no longer marks (their superblock went with the container)."""
         with self._lock:
             if not self._roots:
@@ -250,10 +250,21 @@ class RootScanner:
                     "kind": "hold-root-gone",
                     "pid": r.pid,
                     "dev": r.dev_text(),
-                    "container_alive": r.pid in pids,
+                    "container_alive": self._alive(r.pid),
                     "seconds": round(self.clock() - r.marked_at, 3),
                 }
             )
+
+    def _alive(self, pid: int) -> bool:
+        """Whether ``pid`` still runs, asked after the kernel's marks were read.
+
+        Not "listed in ``/proc``": a zombie is listed until its parent reaps it, and
+        the listing was taken before the marks, so a container that exited between
+        the two was listed but its overlay already gone. The kernel lets go of a
+        process's root (``exit_fs``) before its mount namespace, so once a mark went
+        with the namespace, a root that still resolves is a process still running.
+        """
+        return self._dev(f"{self.proc}/{pid}/root") is not None
 
     def _kernel_marks(self) -> set[int] | None:
         try:
