@@ -40,7 +40,9 @@ stop_busy() {
 trap stop_busy EXIT
 trap 'exit 130' INT TERM
 cores=$(nproc)
-for _ in $(seq $((2 * cores))); do
+per_core=${FLAKES_BUSY_PER_CORE:-2}
+[[ $per_core =~ ^[0-9]+$ ]] || { echo "flakes.sh: FLAKES_BUSY_PER_CORE must be a count" >&2; exit 2; }
+for _ in $(seq 1 $((per_core * cores))); do
   bash -c 'while :; do :; done' &
   busy+=($!)
 done
