@@ -25,4 +25,5 @@ cd "$(dirname "$0")/.."
 # Debian's Chromium for the HTML timeline test (installed as root when missing).
 .venv/bin/python -m tests.chromium_setup >/dev/null \
   || echo "chromium setup unavailable: the headless-browser test will be skipped" >&2
-exec .venv/bin/pytest -q -rs "$@"
+# The 15 slowest tests close the run (where the time goes: docs/testing.md).
+exec .venv/bin/pytest -q -rs --durations=15 "$@"

@@ -14,7 +14,10 @@ Declare a module as a module-level global of a test file in tests/realkernel/::
 Before the VM boots, the host builds every KModule global of the test files
 that have selected realkernel tests (``make -C <headers> M=<dir> modules``,
 ~12 s each, then cached under ``<cache>/modules/<kver>/<name>-<hash>/`` keyed
-by the content hash of the sources, the kernel version and the providers).
+by the content hash of the sources, the kernel version, the make variables, the
+providers and the compiler's own ``--version`` line: a compiler upgraded under
+the cache builds afresh).  The test command's summary says how many builds
+were reused.
 The guest finds the results through the manifest named by
 ``$NODEAGENT_REALKERNEL_MODULES``; the cache dir is visible to the guest
 through the read-only 9p root.  ``uses`` links against the providers'
@@ -23,19 +26,21 @@ Module.symvers (KBUILD_EXTRA_SYMBOLS) and builds them first.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import setup as rksetup
 
 BUILD_RECIPE = 1
 STAMP = ".nodeagent-built"
+CC_VERSION_BYTES = 4096
 
 
 class BuildError(RuntimeError):
@@ -90,6 +95,21 @@ class Built:
     dir: Path
     ko: Path
     symvers: Path
+    reused: bool = False  # found in the cache, not compiled now
+
+
+@functools.cache
+def compiler_version(compiler: str) -> str:
+    """The first line of ``<compiler> --version`` (the kernel's compiler, e.g. ``gcc-12``):
+    part of the cache key, so a compiler upgraded under the cache builds afresh."""
+    path = shutil.which(compiler)
+    if path is None:
+        raise rksetup.SetupError(f"the kernel's compiler {compiler} is not installed")
+    p = subprocess.run([path, "--version"], capture_output=True, text=True, check=False, timeout=60)
+    first = (p.stdout or p.stderr)[:CC_VERSION_BYTES].splitlines()
+    if p.returncode != 0 or not first:
+        raise rksetup.SetupError(f"{compiler} --version failed (rc={p.returncode})")
+    return first[0].strip()
 
 
 def closure(specs: Iterable[KModule]) -> list[KModule]:
@@ -110,21 +130,25 @@ def closure(specs: Iterable[KModule]) -> list[KModule]:
     return out
 
 
-def build_dir(spec: KModule, kver: str) -> Path:
-    return rksetup.cache_dir() / "modules" / kver / f"{spec.name}-{spec.key(kver)}"
+def build_dir(spec: KModule, kver: str, compiler: str) -> Path:
+    """Where ``spec`` is built: its key (what the guest looks it up by) and the compiler."""
+    key = hashlib.sha256(f"{spec.key(kver)}\0{compiler}".encode()).hexdigest()[:16]
+    return rksetup.cache_dir() / "modules" / kver / f"{spec.name}-{key}"
 
 
 def build(spec: KModule, kernel: rksetup.Kernel, *, jobs: int = 2) -> Built:
     """Build (or find cached) one module and its providers; BuildError on failure."""
     providers = [build(u, kernel, jobs=jobs) for u in spec.uses]
-    d = build_dir(spec, kernel.kver)
+    if shutil.which(kernel.compiler) is None or shutil.which("make") is None:
+        rksetup.ensure_build_tools(kernel)
+    d = build_dir(spec, kernel.kver, compiler_version(kernel.compiler))
     done = Built(dir=d, ko=d / f"{spec.name}.ko", symvers=d / "Module.symvers")
+    cached = replace(done, reused=True)
     if (d / STAMP).exists() and done.ko.exists():
-        return done
-    rksetup.ensure_build_tools(kernel)
+        return cached
     with rksetup._locked(d.parent / f".{d.name}.lock"):
         if (d / STAMP).exists() and done.ko.exists():
-            return done
+            return cached
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
@@ -150,8 +174,8 @@ def build(spec: KModule, kernel: rksetup.Kernel, *, jobs: int = 2) -> Built:
 def build_all(specs: Iterable[KModule], kernel: rksetup.Kernel) -> dict[str, dict[str, str]]:
     """Build every spec (and providers); return the guest manifest {key: entry}.
 
-    An entry is {"name", "ko", "dir"} or {"name", "error"}; a failed build does
-    not stop the others.
+    An entry is {"name", "ko", "dir", "reused"} ("1": found in the cache) or
+    {"name", "error"}; a failed build does not stop the others.
     """
     manifest: dict[str, dict[str, str]] = {}
     for spec in closure(specs):
@@ -161,7 +185,12 @@ def build_all(specs: Iterable[KModule], kernel: rksetup.Kernel) -> dict[str, dic
         except (BuildError, rksetup.SetupError, OSError, subprocess.SubprocessError) as e:
             manifest[key] = {"name": spec.name, "error": str(e)}
         else:
-            manifest[key] = {"name": spec.name, "ko": str(b.ko), "dir": str(b.dir)}
+            manifest[key] = {
+                "name": spec.name,
+                "ko": str(b.ko),
+                "dir": str(b.dir),
+                "reused": "1" if b.reused else "0",
+            }
     return manifest
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +64,9 @@ class _Session:
     t_setup: float = 0.0
     t_build: float = 0.0
     n_built: int = 0
+    n_reused: int = 0
+    n_failed: int = 0
+    compiler: str = ""
     t_boot: float = 0.0
     guest_rc: int | None = None
     guest_log: Path | None = None
@@ -159,6 +163,13 @@ def _run_guest_session(config: pytest.Config, st: _Session) -> None:
     specs = _declared_modules(st.items)
     manifest = modbuild.build_all(specs, kernel) if specs else {}
     st.n_built = len(manifest)
+    st.n_reused = sum(e.get("reused") == "1" for e in manifest.values())
+    st.n_failed = sum("error" in e for e in manifest.values())
+    if specs:
+        try:
+            st.compiler = modbuild.compiler_version(kernel.compiler)
+        except (rksetup.SetupError, OSError, subprocess.SubprocessError) as e:
+            st.compiler = f"unknown ({e})"
     st.t_build = time.monotonic() - t0
 
     shared = vm.new_run_dir("pytest-")
@@ -278,6 +289,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         f"({st.n_built} module(s)), boot+guest pytest {st.t_boot:.1f}s, "
         f"{len(st.items)} test(s)"
     )
+    if st.n_built:
+        compiled = st.n_built - st.n_reused - st.n_failed
+        tr.write_line(
+            f"realkernel: module builds: {st.n_reused} of {st.n_built} reused from the cache, "
+            f"{compiled} compiled, {st.n_failed} failed; compiler: {st.compiler}"
+        )
     if st.guest_log is not None:
         tr.write_line(f"realkernel: guest log: {st.guest_log}")
 
