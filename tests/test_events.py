@@ -12,8 +12,11 @@ import pytest
 from nodeagent.host import events
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, nearest_existing, pending
 
+from .waiting import WAIT
 
-def wait_for(waker: Waker, pred, timeout: float = 5.0) -> list[str]:
+
+def wait_for(waker: Waker, pred, timeout: float = WAIT) -> list[str]:
+    """Every wake-up reason (but resync) until ``pred`` holds of them, or ``timeout``."""
     seen: list[str] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -45,11 +48,13 @@ def test_missing_directory_is_watched_from_its_parent_and_moved_down(tmp_path: P
         (target / ".driver-ready").write_text("")
         seen = wait_for(waker, lambda s: any(".driver-ready" in x for x in s))
         assert any(".driver-ready" in x for x in seen)
-        time.sleep(0.3)  # let the write's trailing events (modified, closed) arrive
-        waker.wait(0)
-        # unrelated files elsewhere do not wake
+        # unrelated files elsewhere do not wake: the kernel queues events in order on the
+        # one descriptor, so had the write woken, it would come before the sentinel's.
         (tmp_path / "unrelated").write_text("")
-        assert [r for r in waker.wait(0.3) if r != "resync"] == []
+        (target / "sentinel").write_text("")
+        seen = wait_for(waker, lambda s: any("sentinel" in x for x in s))
+        assert any("sentinel" in x for x in seen), seen
+        assert not any("unrelated" in x for x in seen), seen
     finally:
         watch.close()
 
@@ -66,13 +71,14 @@ def test_a_storm_is_one_short_wake_up(tmp_path: Path) -> None:
             p = target / f"f{i}"
             p.touch()
             p.unlink()
-        reasons = waker.wait(1.0)
+        reasons = waker.wait(WAIT)  # (queued already: returns at once)
         assert len(reasons) <= events.REASONS_MAX + 1
         assert reasons[0] == f"inotify created {target / 'f0'}"
         more = [r for r in reasons if r.endswith("more events")]
         assert more and int(more[0].split()[1]) > 1000, reasons[-2:]
         assert not watch.has_pending()
-        assert waker.wait(0.05) == ["resync"]
+        # Every event was queued by the syscalls above, before the drain: none can come late.
+        assert waker.wait(0) == ["resync"]
     finally:
         watch.close()
 
@@ -85,14 +91,14 @@ def test_irrelevant_changes_beside_a_watched_parent_are_not_pending(tmp_path: Pa
     watch = FileWatch(tmp_path, [target])
     try:
         assert watch.watched == {tmp_path / "run"}
+        # (inotify queues an event within the system call: had it counted, it is there now)
         (tmp_path / "run/unrelated.pid").write_text("1")
-        time.sleep(0.05)
         assert not pending([watch])
         assert watch.drain() == []
         (tmp_path / "run/mellanox").mkdir()
         assert pending([watch])
         assert watch.holds  # read once, kept for the drain
-        assert Waker([watch]).wait(5.0) == [f"inotify created {tmp_path / 'run/mellanox'}"]
+        assert Waker([watch]).wait(WAIT) == [f"inotify created {tmp_path / 'run/mellanox'}"]
     finally:
         watch.close()
 
@@ -103,7 +109,7 @@ def test_a_watched_directory_removed_wakes_and_is_watched_from_its_parent(tmp_pa
     watch = FileWatch(tmp_path, [target])
     try:
         target.rmdir()
-        reasons = Waker([watch]).wait(5.0)
+        reasons = Waker([watch]).wait(WAIT)
         assert f"inotify gone {target}" in reasons
         watch.refresh()
         assert watch.watched == {tmp_path / "run/nvidia"}
@@ -126,8 +132,8 @@ def test_poke_wakes_and_reports(tmp_path: Path) -> None:
     poke = Poke()
     try:
         poke.poke("stop")
-        assert Waker([poke]).wait(1.0) == ["stop"]
-        assert Waker([poke]).wait(0.01) == ["resync"]
+        assert Waker([poke]).wait(WAIT) == ["stop"]
+        assert Waker([poke]).wait(0) == ["resync"]  # taken: nothing is left to wake
     finally:
         poke.close()
 

@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,8 @@ from nodeagent.host.fanotify import (
 )
 from nodeagent.host.hold import Responder, sees_host_pids, start_hold
 
-WAIT = 10.0
+from .waiting import WAIT, until
+
 CONTENT = b"\x7fELF not really a module\n"
 
 
@@ -93,11 +93,26 @@ def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
-def until(pred: object, what: str) -> None:
-    end = time.monotonic() + WAIT
-    while not pred():  # type: ignore[operator]
-        assert time.monotonic() < end, what
-        time.sleep(0.005)
+def record_answers(responder: Responder) -> list[tuple[int, bool]]:
+    """(pid, allow) of every answer the responder gives from now on."""
+    answers: list[tuple[int, bool]] = []
+    respond = responder.source.respond
+
+    def recording(event: PermEvent, allow: bool) -> None:
+        answers.append((event.pid, allow))
+        respond(event, allow)
+
+    responder.source.respond = recording  # type: ignore[method-assign]
+    return answers
+
+
+def two_rounds_later(other: Path) -> None:
+    """Two opens of a file the hold does not name, one after the other, each answered: the
+    responder has gone round its loop (answered what it read, then released what may go)
+    at least once since anything it read before."""
+    for _ in range(2):
+        p = subprocess.run(["cat", str(other)], capture_output=True, timeout=WAIT)
+        assert p.returncode == 0, p.stderr
 
 
 def test_other_files_and_non_loaders_are_allowed_at_once(marked: Marked) -> None:
@@ -113,8 +128,9 @@ def test_other_files_and_non_loaders_are_allowed_at_once(marked: Marked) -> None
     ):
         p = subprocess.run(argv, capture_output=True, timeout=WAIT)
         assert p.returncode == 0, p.stderr
+    # (counted just after the answer that let the opener go on)
+    until(lambda: marked.responder.counts["allowed"] >= 2, "the opens were not counted allowed")
     assert marked.responder.counts["held"] == 0
-    assert marked.responder.counts["allowed"] >= 2
 
 
 def test_a_loader_of_an_inbox_rdma_module_is_held_and_of_mofeds_is_not(marked: Marked) -> None:
@@ -170,13 +186,15 @@ def test_which_opens_the_hold_names(path: str, why: str | None) -> None:
 def test_a_loader_is_held_while_the_gate_is_closed_and_released_when_it_opens(
     marked: Marked,
 ) -> None:
+    answers = record_answers(marked.responder)
     proc = subprocess.Popen([marked.modprobe, str(marked.target)], stdout=subprocess.PIPE)
     try:
         until(lambda: marked.responder.held(), "the loader's open was not held")
         ((pid, opener, path, _secs),) = marked.responder.held()
         assert (pid, opener, os.path.basename(path)) == (proc.pid, "modprobe", "nvidia-peermem.ko")
-        time.sleep(0.2)
-        assert proc.poll() is None, "the held opener went on"
+        two_rounds_later(marked.other)
+        assert (proc.pid, True) not in answers and proc.poll() is None, "the held opener went on"
+        assert len(marked.responder.held()) == 1
         marked.gate.set()
         marked.responder.wake()
         out, _ = proc.communicate(timeout=WAIT)
@@ -186,6 +204,7 @@ def test_a_loader_is_held_while_the_gate_is_closed_and_released_when_it_opens(
     until(lambda: marked.responder.reports, "no report")
     (report,) = marked.responder.reports
     assert (report.pid, report.opener, report.ended) == (proc.pid, "modprobe", "gate opened")
+    assert (proc.pid, True) in answers
 
 
 def test_the_agents_own_open_is_never_held(marked: Marked) -> None:
@@ -209,7 +228,7 @@ def test_stopping_the_responder_releases_a_held_opener(marked: Marked) -> None:
     proc = subprocess.Popen([marked.modprobe, str(marked.target)], stdout=subprocess.PIPE)
     try:
         until(lambda: marked.responder.held(), "the loader's open was not held")
-        marked.responder.stop()
+        marked.responder.stop(timeout=WAIT)
         out, _ = proc.communicate(timeout=WAIT)
     finally:
         proc.kill()
@@ -219,11 +238,15 @@ def test_stopping_the_responder_releases_a_held_opener(marked: Marked) -> None:
 
 def test_a_held_opener_can_be_killed_and_is_forgotten(marked: Marked) -> None:
     proc = subprocess.Popen([marked.modprobe, str(marked.target)], stdout=subprocess.PIPE)
-    until(lambda: marked.responder.held(), "the loader's open was not held")
-    proc.kill()
+    try:
+        until(lambda: marked.responder.held(), "the loader's open was not held")
+    finally:
+        proc.kill()
     proc.wait(WAIT)  # the wait in the kernel is killable
     marked.responder.wake()
-    until(lambda: not marked.responder.held(), "a dead opener is still held")
+    # (the report is added just after the open leaves the held list)
+    until(lambda: marked.responder.reports, "a dead opener is still held")
+    assert marked.responder.held() == []
     assert [r.ended for r in marked.responder.reports] == ["opener gone"]
     # The responder still answers: the next open goes through.
     p = subprocess.run(["cat", str(marked.other)], capture_output=True, timeout=WAIT)
@@ -244,6 +267,12 @@ def test_events_are_walked_by_event_len_and_bad_records_named() -> None:
     assert events == [] and "malformed" in problems[0]
 
 
+def records(timeline: Path) -> list[dict[str, object]]:
+    """The timeline's complete lines (the agent may be appending the next one)."""
+    text = timeline.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
 def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
     """End to end: `nodeagent run` with [peermem] hold_loads = "fanotify", the GPU driver
     root a marked tmpfs; a loader's open is held until MOFED's ready flag makes the gate open."""
@@ -262,10 +291,13 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
     if why:
         pytest.skip(why)
     agent = None
+    thread = None
     node = None
     try:
         node = healthy_node(tmp_path, ready=False)
         (ko,) = driver.rglob("nvidia-peermem.ko*")
+        other = driver / "not-a-module"
+        other.write_bytes(b"other\n")
         modprobe = tmp_path / "modprobe"
         shutil.copy("/bin/cat", modprobe)
         pol = PeermemPolicy(hold_loads="fanotify", hold_roots=("run/nvidia/driver",))
@@ -276,12 +308,14 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()
         until(lambda: agent.hold is not None and agent.passes >= 1, "the hold did not start")
-        assert agent.hold is not None and agent.hold_marked == ["run/nvidia/driver"]
+        hold = agent.hold
+        assert hold is not None and agent.hold_marked == ["run/nvidia/driver"]
+        answers = record_answers(hold)
         proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.PIPE)
         try:
-            until(lambda: agent.hold.held(), "the loader was not held")  # type: ignore[union-attr]
-            time.sleep(0.2)
-            assert proc.poll() is None
+            until(lambda: hold.held(), "the loader was not held")
+            two_rounds_later(other)
+            assert (proc.pid, True) not in answers and proc.poll() is None
             node.write(READY)  # MOFED: ready; the gate opens, the held open goes on
             out, _ = proc.communicate(timeout=WAIT)
         finally:
@@ -289,16 +323,16 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         assert proc.returncode == 0 and out == ko.read_bytes()
         status = json.loads((tmp_path / "run/nodeagent/status.json").read_text())
         assert status["hold"]["marked"] == ["run/nvidia/driver"]
+        timeline = tmp_path / "var/lib/nodeagent/timeline.jsonl"
         until(
-            lambda: any(
-                r.get("kind") == "held-open"
-                for r in map(json.loads, (tmp_path / "var/lib/nodeagent/timeline.jsonl").open())
-            ),
+            lambda: any(r.get("kind") == "held-open" for r in records(timeline)),
             "the held open was not recorded",
         )
     finally:
         if agent is not None:
             agent.stop()
+        if thread is not None:
+            thread.join(WAIT)
         if node is not None:
             node.kernel.uevent_source.close()
         subprocess.run(["umount", "-l", str(driver)], capture_output=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S, GateFiles
+from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S, GateFiles, lease_clock
+
+from .waiting import WAIT, until
 
 GATE = "run/nodeagent/peermem.gate"
-WAIT = 15.0
 
 # -- the property -------------------------------------------------------------------
 
@@ -126,21 +127,13 @@ def test_absurd_leases_and_other_boots_read_closed(tmp_path: Path) -> None:
     assert not gates.read("peermem", now_boot=50.0 + LEASE_S).is_open  # expired
     assert "another boot" in gates.read("peermem", my_boot="other").reason
     doc = json.loads((tmp_path / GATE).read_text())
-    for until in (1e308, 50.0 + 3600, float("inf")):
-        doc["lease_until"] = until
+    for lease_until in (1e308, 50.0 + 3600, float("inf")):
+        doc["lease_until"] = lease_until
         (tmp_path / GATE).write_text(json.dumps(doc))
-        assert not gates.read("peermem").is_open, until
+        assert not gates.read("peermem").is_open, lease_until
 
 
 # -- the real agent, faults ------------------------------------------------------------------
-
-
-def until(pred: Callable[[], object], what: str, timeout: float = WAIT) -> float:
-    start = time.monotonic()
-    while not pred():
-        assert time.monotonic() - start < timeout, what
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 @pytest.fixture
@@ -170,12 +163,29 @@ def _close_decision(root: Path) -> None:
     (root / "run/mellanox/drivers/.driver-ready").unlink()  # MOFED restarting: closed
 
 
-def _closed_within_the_lease(root: Path, agent: object) -> None:
-    """After the decision closed with the file stuck, a reader sees closed within the lease,
-    and the agent has said, loudly, that it cannot withdraw the file."""
+def _reads_closed_within_the_lease(gates: GateFiles, stuck_at: float, what: str) -> None:
+    """Read until a reader sees closed; no read that saw open began ``LEASE_S`` or more after
+    ``stuck_at`` (a boot-time moment after which the agent can renew nothing): judged on the
+    boot-time clock the lease is on, not on how quickly this test got to read."""
+    late: list[float] = []
+
+    def closed() -> bool:
+        began = lease_clock()
+        if gates.read("peermem").is_open:
+            if began >= stuck_at + LEASE_S:
+                late.append(began - stuck_at)
+            return False
+        return True
+
+    until(closed, what)
+    assert not late, f"read open {max(late):.2f}s after the last possible renewal"
+
+
+def _closed_within_the_lease(root: Path, agent: object, stuck_at: float) -> None:
+    """After the decision closed with the file stuck (since ``stuck_at``), a reader sees
+    closed within the lease, and the agent has said, loudly, that it cannot withdraw it."""
     gates = GateFiles(HostRoot(root), "run/nodeagent")
-    took = until(lambda: not gates.read("peermem").is_open, "a reader still sees open")
-    assert took <= LEASE_S + 1.0, took
+    _reads_closed_within_the_lease(gates, stuck_at, "a reader still sees open")
     stuck = agent._stuck_gates
     until(lambda: "peermem" in stuck, "the failed withdrawal was not noticed")
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
@@ -190,9 +200,10 @@ def test_an_immutable_gate_file_expires_within_the_lease(running: tuple[Path, ob
     p = subprocess.run(["chattr", "+i", str(root / GATE)], capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"this filesystem refuses chattr +i: {p.stderr.strip()}")
+    stuck_at = lease_clock()  # no renewal lands after this
     try:
         _close_decision(root)
-        _closed_within_the_lease(root, agent)
+        _closed_within_the_lease(root, agent, stuck_at)
         assert (root / GATE).exists()  # still there, and read as closed
     finally:
         subprocess.run(["chattr", "-i", str(root / GATE)], capture_output=True)
@@ -215,8 +226,9 @@ def test_a_read_only_state_dir_expires_within_the_lease(running: tuple[Path, obj
         )
         if p.returncode != 0:
             pytest.skip(f"cannot remount read-only here: {p.stderr.strip()}")
+        stuck_at = lease_clock()  # no renewal lands after this
         _close_decision(root)
-        _closed_within_the_lease(root, agent)
+        _closed_within_the_lease(root, agent, stuck_at)
     finally:
         subprocess.run(["umount", "-l", str(state)], capture_output=True)
 
@@ -232,9 +244,9 @@ def test_a_symlinked_state_dir_is_not_followed_and_its_gate_reads_closed(
     moved = root / "run/nodeagent.real"
     os.rename(state, moved)
     os.symlink(elsewhere, state)  # an open gate file, behind a symlink
+    replaced_at = lease_clock()  # the agent's own file is elsewhere now
     gates = GateFiles(HostRoot(root), "run/nodeagent")
-    took = until(lambda: not gates.read("peermem").is_open, "a symlinked state dir read open")
-    assert took <= LEASE_S + 1.0, took
+    _reads_closed_within_the_lease(gates, replaced_at, "a symlinked state dir read open")
     _close_decision(root)
     until(lambda: not gates.read("peermem").is_open, "open behind a symlink")
     with pytest.raises((OSError, NodeagentError)):
@@ -246,6 +258,15 @@ import sys
 from nodeagent.cli import main
 sys.exit(main(["run", "--host-root", sys.argv[1], "--mode", "observe", "--metrics-address", "off"]))
 """
+
+
+def _all_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (state T): none is inside a system call."""
+    try:
+        stats = [(t / "stat").read_text() for t in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:  # a thread came or went while listing: look again
+        return False
+    return bool(stats) and all(x.rsplit(")", 1)[1].split()[0] == "T" for x in stats)
 
 
 def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) -> None:
@@ -260,12 +281,16 @@ def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) 
     gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
     try:
         until(lambda: gates.read("peermem").is_open, "the gate never opened")
-        time.sleep(2 * LEASE_S)
-        assert gates.read("peermem").is_open, "the running agent did not renew its lease"
+        opened_at = lease_clock()
+        # Open past the first lease: only a renewal keeps it so.
+        until(
+            lambda: lease_clock() > opened_at + LEASE_S and gates.read("peermem").is_open,
+            "the running agent did not renew its lease",
+        )
         proc.send_signal(signal.SIGSTOP)  # stuck: alive, renewing nothing
-        stopped = time.monotonic()
-        until(lambda: not gates.read("peermem").is_open, "open after the agent stopped")
-        assert time.monotonic() - stopped <= LEASE_S + 1.0
+        until(lambda: _all_stopped(proc.pid), "the agent did not stop")
+        stopped_at = lease_clock()  # every thread stopped: no write in flight
+        _reads_closed_within_the_lease(gates, stopped_at, "open after the agent stopped")
         wait = subprocess.run(
             [
                 sys.executable,
@@ -331,9 +356,13 @@ def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
         until(lambda: agent.passes >= 3 and gates.read("peermem").is_open, "no passes")
         offset[0] = step  # the node's clock is stepped under the running agent
         before = agent.passes
-        time.sleep(2.0)
-        assert agent.passes >= before + 4, "the resync stopped after the clock step"
-        assert gates.read("peermem").is_open, "the lease was not renewed after the step"
+        stepped_at = lease_clock()
+        until(lambda: agent.passes >= before + 4, "the resync stopped after the clock step")
+        # Open once every lease written before the step has run out: renewed after it.
+        until(
+            lambda: lease_clock() > stepped_at + LEASE_S and gates.read("peermem").is_open,
+            "the lease was not renewed after the step",
+        )
     finally:
         agent.stop()
         thread.join(WAIT)
