@@ -21,12 +21,13 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.realkernel.setup import SetupError, _Apt
+from tests.waiting import WAIT, until
 
 JOURNALD = Path("/lib/systemd/systemd-journald")
 
@@ -73,14 +74,23 @@ class PrivateJournald:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         return [json.loads(line) for line in p.stdout.splitlines() if line.strip()]
 
-    def wait_for(self, count: int, timeout: float = 30.0, **match: str) -> list[dict[str, Any]]:
-        """At least ``count`` matching entries (journald writes asynchronously)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.entries(**match)
-            if len(found) >= count or time.monotonic() > deadline:
-                return found
-            time.sleep(0.1)
+    def wait_for(
+        self, what: str, done: Callable[[list[dict[str, Any]]], bool], **match: str
+    ) -> list[dict[str, Any]]:
+        """The matching entries once ``done`` holds of them (journald writes
+        asynchronously: wait for the entries a test needs, not for a count of any)."""
+        found: list[dict[str, Any]] = []
+
+        def ready() -> bool:
+            found[:] = self.entries(**match)
+            return done(found)
+
+        try:
+            until(ready, what)
+        except AssertionError as exc:
+            kinds = [(e.get("NODEAGENT_KIND"), e.get("NODEAGENT_GUARD")) for e in found]
+            raise AssertionError(f"{exc}; the journal has {kinds}") from None
+        return found
 
 
 @contextlib.contextmanager
@@ -91,7 +101,7 @@ def private_journald(host_root: Path) -> Iterator[PrivateJournald]:
     jd = PrivateJournald(proc, journalctl)
     try:
         socket_path = jd.root / str(host_root).lstrip("/") / "run/systemd/journal/socket"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + WAIT
         while not socket_path.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 err = proc.stderr.read().decode() if proc.stderr and proc.poll() is not None else ""
@@ -101,7 +111,7 @@ def private_journald(host_root: Path) -> Iterator[PrivateJournald]:
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=WAIT)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

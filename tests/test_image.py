@@ -33,6 +33,7 @@ from nodeagent.sim.node import READY
 from tests.chromium_setup import SetupError
 from tests.healthy import healthy_node
 from tests.image_setup import Built, build, inspect
+from tests.waiting import WAIT
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -151,13 +152,15 @@ class Container:
             self.argv(args, user=user, host=host), capture_output=True, text=True, timeout=timeout
         )
 
-    def shell(self, *argv: str, user: str = "0:0") -> subprocess.CompletedProcess[str]:
+    def shell(
+        self, *argv: str, user: str = "0:0", timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         """A command in the container other than the entrypoint (to look at it from inside)."""
         return subprocess.run(
             ["buildah", "run", "--isolation", "chroot", "--user", user, self.name, "--", *argv],
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=timeout,
         )
 
     def close(self) -> None:
@@ -209,6 +212,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A hang detector for the daemon's start in a container and its first pass (seconds on a
+# quiet machine; a busy one may take a good many).
+DAEMON_UP_S = 120
+
+
 def test_run_in_the_image_serves_metrics_on_loopback_and_the_default_user_reads_it(
     container: Container, node: Path
 ) -> None:
@@ -224,26 +232,29 @@ def test_run_in_the_image_serves_metrics_on_loopback_and_the_default_user_reads_
         text=True,
     )
     try:
-        scrape = (  # until the first pass's series are there
+        scrape = (  # until the first pass's series are there (a deadline, not a count)
             "import sys, time, urllib.request\n"
             "text = ''\n"
-            "for _ in range(600):\n"
+            f"end = time.monotonic() + {DAEMON_UP_S}\n"
+            "while time.monotonic() < end:\n"
             "    try:\n"
             f"        text = urllib.request.urlopen('http://127.0.0.1:{port}/metrics',"
-            " timeout=2).read().decode()\n"
+            f" timeout={WAIT}).read().decode()\n"
             "    except OSError: pass\n"
             "    if 'nodeagent_guard_ok{guard=\"peermem\"} 1.0' in text: break\n"
             "    time.sleep(0.1)\n"
             "sys.stdout.write(text)\n"
         )
-        got = container.shell("python3", "-c", scrape, user="65532:65532")
+        got = container.shell(
+            "python3", "-c", scrape, user="65532:65532", timeout=DAEMON_UP_S + 2 * WAIT
+        )
         if 'nodeagent_guard_ok{guard="peermem"} 1.0' not in got.stdout:
             daemon.terminate()
-            _, err = daemon.communicate(timeout=30)
+            _, err = daemon.communicate(timeout=WAIT)
             seen = [line for line in got.stdout.splitlines() if "guard" in line]
-            pytest.fail(f"the peermem gate not open in 60 s: {seen}\n{err[-2000:]}")
+            pytest.fail(f"the peermem gate not open in {DAEMON_UP_S} s: {seen}\n{err[-2000:]}")
         user = "65532:65532"
-        wait = container.run("wait", "peermem", "--timeout", "10", host=node, user=user)
+        wait = container.run("wait", "peermem", "--timeout", f"{WAIT:g}", host=node, user=user)
         assert wait.returncode == 0, wait.stderr
         status = container.run("status", host=node, user=user)
         assert status.returncode == 0 and "peermem: open" in status.stdout, status
@@ -252,7 +263,7 @@ def test_run_in_the_image_serves_metrics_on_loopback_and_the_default_user_reads_
         assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
     finally:
         daemon.terminate()
-        daemon.wait(timeout=30)
+        daemon.wait(timeout=WAIT)
 
 
 def _rootfs(container: Container) -> Path:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,8 +213,17 @@ def test_records_reach_a_real_journald_with_their_fields(
     kinds = [json.loads(line).get("record", {}).get("kind") for line in p.stderr.splitlines()]
     assert "decision" in kinds and "action" in kinds
 
-    entries = jd.wait_for(3, SYSLOG_IDENTIFIER="nodeagent")  # the guards' decisions, a load
-    by_kind = {(e.get("NODEAGENT_KIND"), e.get("NODEAGENT_GUARD")): e for e in entries}
+    wanted = {("decision", "peermem"), ("action", "peermem")}  # the gate's decision, its load
+
+    def keyed(entries: list[dict[str, Any]]) -> dict[tuple[Any, Any], dict[str, Any]]:
+        return {(e.get("NODEAGENT_KIND"), e.get("NODEAGENT_GUARD")): e for e in entries}
+
+    entries = jd.wait_for(
+        "the peermem decision and load in the journal",
+        lambda found: wanted <= keyed(found).keys(),
+        SYSLOG_IDENTIFIER="nodeagent",
+    )
+    by_kind = keyed(entries)
     decision, action = by_kind["decision", "peermem"], by_kind["action", "peermem"]
     assert decision["MESSAGE_ID"] == message_id("decision")
     assert decision["NODEAGENT_GUARD"] == "peermem"
@@ -235,7 +245,7 @@ def test_a_large_record_goes_through_a_sealed_memfd(
     big = "x" * (1 << 20)  # past the datagram limit (net.core.wmem_max is ~208 KiB)
     exp.on_record({"kind": "vf-restore", "guard": "vf", "pci": "0000:3b:00.0", "blob": big})
     assert exp.available and exp.sent == 1
-    entries = jd.wait_for(1, NODEAGENT_KIND="vf-restore")
+    entries = jd.wait_for("the large record in the journal", bool, NODEAGENT_KIND="vf-restore")
     assert len(entries) == 1
     e = entries[0]
     assert e["NODEAGENT_PCI"] == "0000:3b:00.0"

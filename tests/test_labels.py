@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from nodeagent.errors import NodeagentError
 from nodeagent.sim.node import READY
 
 from .healthy import healthy_node
+from .waiting import WAIT, until
 
 FEATURES = "etc/kubernetes/node-feature-discovery/features.d"
 P = DEFAULT_PREFIX
@@ -207,10 +207,7 @@ def test_a_clean_stop_removes_the_labels(node: Path) -> None:
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     f = node / FEATURES / "nodeagent"
-    deadline = time.monotonic() + 20
-    while not f.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert f.exists()
+    until(f.exists, "the labels file of the first pass")
     agent.stop()
-    thread.join(10)
+    thread.join(WAIT)
     assert not thread.is_alive() and not f.exists()

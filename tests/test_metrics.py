@@ -32,7 +32,8 @@ from nodeagent.core.telemetry import MetricFamily, Sample
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics import MetricsExporter, MetricsServer, wake_source
 from nodeagent.sim.node import READY, Node
-from tests.test_integration import eventually, node  # noqa: F401  (the node fixture)
+from tests.test_integration import node  # noqa: F401  (the node fixture)
+from tests.waiting import WAIT, until
 
 # name -> type, as Prometheus sees them (counters without the _total suffix).
 EXPECTED_TYPES = {
@@ -64,7 +65,7 @@ def free_port() -> int:
 
 def get(url: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=WAIT) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
@@ -114,12 +115,12 @@ def running(node: Node, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        eventually(lambda: get(base + "/readyz")[0] == 200, "the agent's first pass", 30)
+        until(lambda: get(base + "/readyz")[0] == 200, "the agent's first pass")
         yield base, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=15)
+        proc.wait(timeout=WAIT)
 
 
 def test_run_serves_metrics_and_the_gate_series_follow_the_ready_flag(
@@ -148,7 +149,7 @@ def test_run_serves_metrics_and_the_gate_series_follow_the_ready_flag(
     def gate_open() -> bool:
         return value(scrape(base)[1], "nodeagent_guard_ok", guard="peermem") == 1
 
-    eventually(gate_open, "the peermem gate's series to say open", 15)
+    until(gate_open, "the peermem gate's series to say open")
     _, series = scrape(base)
     assert value(series, "nodeagent_guard_state", guard="peermem", state="open") == 1
     assert value(series, "nodeagent_guard_state", guard="peermem", state="closed") == 0
@@ -172,7 +173,7 @@ def test_run_serves_metrics_and_the_gate_series_follow_the_ready_flag(
     assert get(base + "/healthz")[0] == 200
     assert get(base + "/nope")[0] == 404
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=15) == 0
+    assert proc.wait(timeout=WAIT) == 0
     stderr = proc.stderr.read() if proc.stderr else ""
     # No journal under this host root: said once, and the records still reach stderr.
     assert stderr.count("journal socket") == 1, stderr
@@ -403,16 +404,20 @@ def test_slow_clients_hold_neither_threads_nor_the_endpoint(
     """Slowloris: clients that send a byte now and then. At the connection cap the oldest
     one still sending its request is closed to make room; each is closed at its
     request's deadline whatever it sends; the endpoint answers a probe afterwards.
-    (Before: one thread each, kept for ever.)"""
+    (Before: one thread each, kept for ever.)
+
+    Two phases, so that which rule closed a client is known by order, not by how quick
+    the machine is: first a deadline no wait reaches (only the cap can close a client),
+    then a short one with no more clients than the cap (only the deadline can)."""
     import socket
     import threading
-    import time
     import urllib.request
 
     from nodeagent import metrics as m
 
-    monkeypatch.setattr(m, "MAX_CONNECTIONS", 4)
-    monkeypatch.setattr(m, "REQUEST_DEADLINE_S", 1.0)
+    cap = 4
+    monkeypatch.setattr(m, "MAX_CONNECTIONS", cap)
+    monkeypatch.setattr(m, "REQUEST_DEADLINE_S", 3600.0)
     exporter = MetricsExporter(
         build_reconciler(Config()).guards, mode="observe", liveness_seconds=60
     )
@@ -422,30 +427,55 @@ def test_slow_clients_hold_neither_threads_nor_the_endpoint(
     server = m.MetricsServer(exporter, f"127.0.0.1:{port}")
     baseline = threading.active_count()
     clients: list[socket.socket] = []
+    closed: set[socket.socket] = set()
+
+    def slow_client() -> None:
+        c = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT)
+        clients.append(c)
+        c.sendall(b"GET /metrics HTTP/1.1\r\n")
+        c.settimeout(0.01)
+
+    def poke() -> int:
+        """A byte to each client still open (a per-read timeout never fires); how many
+        the server has closed."""
+        for c in clients:
+            if c in closed:
+                continue
+            try:
+                c.sendall(b"X")
+                if c.recv(1) == b"":
+                    closed.add(c)
+            except TimeoutError:
+                pass
+            except OSError:  # reset: closed by the server
+                closed.add(c)
+        return len(closed)
+
     try:
+        # The cap: 40 slow clients for 4 places; each newcomer closes the oldest reader.
         for _ in range(40):
-            c = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-            c.sendall(b"GET /metrics HTTP/1.1\r\n")
-            clients.append(c)
-        deadline = time.monotonic() + 10
-        closed = 0
-        while time.monotonic() < deadline and closed < len(clients):
-            assert threading.active_count() <= baseline + 4, "a thread per slow client"
-            closed = 0
-            for c in clients:
-                try:
-                    c.sendall(b"X")  # a byte now and then: a per-read timeout never fires
-                    c.settimeout(0.01)
-                    closed += c.recv(1) == b""
-                except TimeoutError:
-                    pass
-                except OSError:  # reset: closed by the server
-                    closed += 1
-            time.sleep(0.2)
-        assert closed == len(clients), f"{len(clients) - closed} slow clients still held"
+            slow_client()
+        until(lambda: poke() >= len(clients) - cap, "the cap closing all but 4 slow clients")
         assert server._httpd.evicted > 0, "the cap made room by closing slow clients"
+        until(lambda: threading.active_count() <= baseline + cap, "a thread per slow client")
+
+        # The deadline: the held ones go (their handlers end), then 4 new slow clients
+        # with a 1 s deadline, below the cap, are closed by it whatever they send.
+        for c in clients:
+            c.close()
+        clients.clear()
+        closed.clear()
+        until(lambda: threading.active_count() <= baseline, "the handlers of gone clients ended")
+        monkeypatch.setattr(m, "REQUEST_DEADLINE_S", 1.0)
+        evicted = server._httpd.evicted
+        for _ in range(cap):
+            slow_client()
+        until(lambda: poke() == cap, "each slow client closed at its request's deadline")
+        assert server._httpd.evicted == evicted, "below the cap, only the deadline closes"
+        until(lambda: threading.active_count() <= baseline, "no thread kept for a slow client")
+
         url = f"http://127.0.0.1:{server.port}/healthz"
-        with urllib.request.urlopen(url, timeout=5) as r:
+        with urllib.request.urlopen(url, timeout=WAIT) as r:
             assert r.status in (200, 503)
     finally:
         for c in clients:

@@ -32,6 +32,7 @@ import pytest
 from nodeagent.sim.node import READY
 from tests.healthy import healthy_node
 from tests.prometheus_setup import SetupError, ensure
+from tests.waiting import WAIT
 
 JOB = "nodeagent"
 GATE_OK = 'nodeagent_guard_ok{guard="peermem"}'
@@ -61,7 +62,7 @@ def free_ports(n: int) -> list[int]:
 def get(url: str) -> str | None:
     """The body, or None while the server is not (yet) answering."""
     try:
-        with HTTP.open(url, timeout=5) as r:
+        with HTTP.open(url, timeout=WAIT) as r:
             body: bytes = r.read()
     except (urllib.error.URLError, OSError):
         return None
@@ -147,6 +148,12 @@ class Prom:
     def reads(self, expr: str, want: float) -> Callable[[], bool | None]:
         return lambda: True if self.value(expr) == want else None
 
+    def values(self, *exprs: str) -> dict[str, float] | None:
+        """Each series' value now; None while one has none (a scrape that timed out on a
+        busy machine leaves them all stale until the next one)."""
+        got = {expr: self.value(expr) for expr in exprs}
+        return None if None in got.values() else got  # type: ignore[return-value]
+
 
 def config(agent_port: int) -> str:
     """prometheus.yml (JSON is YAML): the agent alone, every second, nothing remote."""
@@ -200,18 +207,17 @@ def test_prometheus_sees_the_peermem_gate_close_and_open(tmp_path: Path) -> None
         )  # fmt: skip
         b.until(prom.reads(f'up{{job="{JOB}"}}', 1.0), "target up in Prometheus")
         b.until(prom.reads(GATE_OK, 0.0), f"{GATE_OK} == 0 in Prometheus")
-        assert prom.value(GATE_OPEN) == 0.0
-        assert prom.value(GATE_CLOSED) == 1.0
-        assert prom.value(FLAG_HOLDING) == 1.0
-        assert prom.value(MOFED_READY) == 0.0
+        closed = b.until(lambda: prom.values(GATE_OPEN, GATE_CLOSED, FLAG_HOLDING, MOFED_READY),
+                         "the gate's series in Prometheus")  # fmt: skip
+        assert closed == {GATE_OPEN: 0.0, GATE_CLOSED: 1.0, FLAG_HOLDING: 1.0, MOFED_READY: 0.0}
 
         # MOFED is ready again: the flag reappears and the gate opens.
         (root / READY).touch()
         b.until(prom.reads(GATE_OK, 1.0), f"{GATE_OK} == 1 in Prometheus")
         b.until(prom.reads(GATE_OPEN, 1.0), f"{GATE_OPEN} == 1 in Prometheus")
-        assert prom.value(GATE_CLOSED) == 0.0
-        assert prom.value(FLAG_HOLDING) == 0.0
-        assert prom.value(MOFED_READY) == 1.0
+        opened = b.until(lambda: prom.values(GATE_CLOSED, FLAG_HOLDING, MOFED_READY),
+                         "the gate's series in Prometheus")  # fmt: skip
+        assert opened == {GATE_CLOSED: 0.0, FLAG_HOLDING: 0.0, MOFED_READY: 1.0}
 
         # Steps counted back from now, so the last one sees the newest sample.
         end = time.time()
