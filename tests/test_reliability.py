@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,6 +305,77 @@ def test_a_symlink_cannot_leave_the_root(tmp_path: Path, resolver: str) -> None:
             host.read_bytes(rel, follow=True)
     (host_root / "secret").write_bytes(b"node's")  # '..' at the root stays at the root
     assert host.read_bytes("up", follow=True) == b"node's"
+
+
+def _sysfs_like(tmp_path: Path) -> HostRoot:
+    """A device reached through a '..' link, as sysfs's bus/pci/devices links are."""
+    root = tmp_path / "host"
+    (root / "sys/devices/pci0000:00/0000:01:00.0").mkdir(parents=True)
+    (root / "sys/devices/pci0000:00/0000:01:00.0/sriov_numvfs").write_text("50\n")
+    (root / "sys/bus/pci/devices").mkdir(parents=True)
+    (root / "sys/bus/pci/devices/0000:01:00.0").symlink_to(
+        "../../../devices/pci0000:00/0000:01:00.0"
+    )
+    return HostRoot(root)
+
+
+NUMVFS = "sys/bus/pci/devices/0000:01:00.0/sriov_numvfs"
+
+
+def test_openat2_eagain_is_tried_again_never_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35's simulator flake: openat2(RESOLVE_IN_ROOT) says EAGAIN when a rename
+    anywhere on the machine races a '..' of the path, and the SR-IOV reader took that
+    for 'VF gone' (50 VFs restored twice). Here the kernel's answer comes every time."""
+    host = _sysfs_like(tmp_path)
+    real = fs.openat2_in_root
+    calls: list[str] = []
+
+    def racing(root_fd: int, rel: str, flags: int) -> int:
+        calls.append(rel)
+        if len(calls) < fs.OPENAT2_TRIES:
+            raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN), rel)
+        return real(root_fd, rel, flags)
+
+    monkeypatch.setattr(fs, "openat2_in_root", racing)
+    assert host.read_bytes(NUMVFS) == b"50\n"
+    assert len(calls) == fs.OPENAT2_TRIES
+
+    def always(root_fd: int, rel: str, flags: int) -> int:  # a pod renaming in a loop
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN), rel)
+
+    monkeypatch.setattr(fs, "openat2_in_root", always)
+    assert host.read_bytes(NUMVFS) == b"50\n"  # the walk, which needs no retry
+    (tmp_path / "outside").write_text("not the node's")
+    (tmp_path / "host/sys/escape").symlink_to("../../outside")
+    with pytest.raises(OSError):  # the walk keeps '..' inside the root too
+        host.read_bytes("sys/escape", follow=True)
+
+
+def test_reads_through_dotdot_links_survive_a_rename_storm(tmp_path: Path) -> None:
+    """The same with the real kernel: another thread renames in an unrelated directory
+    while the agent reads through sysfs-like links; no read fails."""
+    host = _sysfs_like(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "a").write_text("")
+    stop = threading.Event()
+
+    def rename_loop() -> None:
+        a, b = elsewhere / "a", elsewhere / "b"
+        while not stop.is_set():
+            os.rename(a, b)
+            os.rename(b, a)
+
+    renamer = threading.Thread(target=rename_loop, daemon=True)
+    renamer.start()
+    try:
+        for _ in range(20_000):
+            assert host.read_bytes(NUMVFS) == b"50\n"
+    finally:
+        stop.set()
+        renamer.join(WAIT)
 
 
 def test_a_bad_file_is_set_aside_only_inside_the_root(tmp_path: Path) -> None:

@@ -42,6 +42,9 @@ _SYS_OPENAT2 = 437  # the same number on every architecture (generic syscall tab
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_IN_ROOT = 0x10
 _MAX_LINKS = 40
+# openat2 answers EAGAIN when a rename anywhere raced a '..' of the path; tries before
+# the walk (openat2(2): "the caller may choose to retry").
+OPENAT2_TRIES = 4
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -210,11 +213,19 @@ class HostRoot:
         """
         rel = self._inside(rel)  # refuse '..' in configured paths up front
         flags |= os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
-        try:
-            return openat2_in_root(self.root_fd, rel, flags)
-        except OSError as exc:
-            if exc.errno != errno.ENOSYS:
-                raise
+        for _ in range(OPENAT2_TRIES):
+            try:
+                return openat2_in_root(self.root_fd, rel, flags)
+            except OSError as exc:
+                if exc.errno == errno.ENOSYS:
+                    break
+                if exc.errno != errno.EAGAIN:
+                    raise
+                # A '..' on the way (sysfs's device links are full of them) raced a
+                # rename anywhere on the machine: the kernel cannot vouch the walk stayed
+                # inside, and says try again. Not "absent".
+        # No openat2, or renames kept racing it (a pod renaming in a loop must not blind
+        # the agent): the component-wise walk, which never climbs above the root.
         return walk_in_root(self.root_fd, rel, flags)
 
     def open_regular(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
