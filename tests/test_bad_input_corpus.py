@@ -12,6 +12,7 @@ in-process and asserts the exact clean outcome: exit code, verdict (for
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import lzma
@@ -28,9 +29,11 @@ import pytest
 import zstandard
 
 from nodeagent.cli import main
+from nodeagent.host import gatefile
 from nodeagent.sim.node import BLACKLIST, READY
 
 from .healthy import KVER, healthy_node
+from .waiting import WAIT
 
 GPU_DIR = f"run/nvidia/driver/lib/modules/{KVER}"
 MOFED_DIR = f"run/mellanox/drivers/lib/modules/{KVER}"
@@ -42,7 +45,7 @@ STATUS = "run/nodeagent/status.json"
 GATE = "run/nodeagent/peermem.gate"
 VALIDATIONS = "run/nvidia/validations"
 TIMELINE = "var/lib/nodeagent/timeline.jsonl"
-RETURN_WITHIN = 30.0  # seconds: a case that has not returned by then hangs (fails)
+RETURN_WITHIN = WAIT  # seconds: a case that has not returned by then hangs (fails)
 
 
 # ------------------------------------------------------------------ the base node
@@ -218,18 +221,17 @@ def gate(doc: object | str) -> Setup:
 
 
 def gate_lease(left: float, boot: str | None = None, wall: float = 0.0) -> Setup:
-    """A gate file whose lease ends ``left`` seconds after the case runs (boot-time clock)."""
-    from nodeagent.host.gatefile import GATE_VERSION, boot_id, lease_clock
-
+    """A gate file whose lease ends ``left`` seconds after the case is set up (boot-time
+    clock; ``test_bad_input`` holds the readers' clock at that moment)."""
     return put(
         GATE,
         lambda: json.dumps(
             {
-                "version": GATE_VERSION,
+                "version": gatefile.GATE_VERSION,
                 "guard": "peermem",
                 "confirmed_at": time.time() + wall,
-                "lease_until": lease_clock() + left,
-                "boot_id": boot_id() if boot is None else boot,
+                "lease_until": gatefile.lease_clock() + left,
+                "boot_id": gatefile.boot_id() if boot is None else boot,
                 "pid": 1,
             }
         ),
@@ -505,10 +507,22 @@ def _with_root(argv: tuple[str, ...], root: Path) -> list[str]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(
-    case: Case, template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    case: Case,
+    template: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     root = tmp_path / "root"
     shutil.copytree(template, root, symlinks=True)
+    # The boot-time clock a lease is judged on stands still at the moment the case is set
+    # up: a lease with 2.5 s left is fresh however long a busy machine takes to get from
+    # the setup to the read (the running clock and leases running out: test_gate_lease.py).
+    now = gatefile.lease_clock()
+    monkeypatch.setattr(gatefile, "lease_clock", lambda: now)
+    monkeypatch.setattr(
+        gatefile, "GateFiles", functools.partial(gatefile.GateFiles, clock=lambda: now)
+    )
     case.setup(root)
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(_run(_with_root(case.argv, root))))

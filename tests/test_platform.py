@@ -23,6 +23,8 @@ from nodeagent.host.act import Actuator, Handler, NodeHands
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.observe import Observer, Readers
 
+from .waiting import WAIT
+
 
 @dataclass(frozen=True)
 class Ping:
@@ -59,7 +61,7 @@ class PingExecutor:
             self.peak = max(self.peak, self.active)
         try:
             if self.gate is not None:
-                self.gate.wait(10)  # released only when ``bound`` steps are in flight together
+                self.gate.wait(WAIT)  # released only when ``bound`` steps are in flight together
             if action.n in self.fail:
                 raise OSError(5, "refused")
             with self.lock:

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from ..test_storage_agent import HOLD, node
+from ..waiting import WAIT, until
 from .storage_runner import SlowFileKernel, agent, make_module
 
 MODULES = ("ib_iser", "ib_srp", "rpcrdma")
 READY = "run/mellanox/drivers/.driver-ready"
-WAIT = 20.0
 
 
 def storage_node(root: Path) -> None:
@@ -47,13 +47,12 @@ def trial(root: Path, die_after: int | None, offset_s: float | None) -> tuple[se
     child = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[2])
     try:
         if offset_s is not None:
-            start = time.monotonic()
-            while not (root / HOLD).exists():  # the plan's first step is done
-                assert child.poll() is None and time.monotonic() - start < WAIT, "no plan"
-                time.sleep(0.002)
-            time.sleep(offset_s)
+            # The plan's first step is done (or the child died before it: that fails below).
+            until(lambda: (root / HOLD).exists() or child.poll() is not None, "the hold file")
+            assert child.poll() is None, f"the agent exited {child.returncode} before its plan"
+            time.sleep(offset_s)  # the moment of the kill: the behaviour under test
             child.send_signal(signal.SIGKILL)
-        child.wait(WAIT)
+        child.wait(WAIT)  # a hang detector: it kills itself, or was just killed
     finally:
         child.kill()
         child.wait()
@@ -63,13 +62,13 @@ def trial(root: Path, die_after: int | None, offset_s: float | None) -> tuple[se
     (root / "proc/locks").write_text("")
     (root / READY).write_text("")
     restarted = agent(root, SlowFileKernel(root))
-    try:
-        deadline = time.monotonic() + WAIT
+
+    def converged() -> bool:
         restarted.run_once()
-        while (loaded(root) != set(MODULES) or (root / HOLD).exists()) and (
-            time.monotonic() < deadline
-        ):
-            restarted.run_once()
+        return loaded(root) == set(MODULES) and not (root / HOLD).exists()
+
+    try:
+        until(converged, f"the restarted agent loads back every module, hold gone (left {left})")
     finally:
         restarted.close()
     return left, loaded(root)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import json
 from typing import Any
 
 import pytest
@@ -176,7 +178,13 @@ def test_same_seed_same_timeline() -> None:
     second = to_json(again, seed=1, speed=None)
     first.pop("wall_seconds")
     second.pop("wall_seconds")
-    assert first == second
+    assert first == second, _first_difference(first, second)
+
+
+def _first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Where two runs' documents part: the first lines of their diff."""
+    lines = [json.dumps(d, indent=1, sort_keys=True).splitlines() for d in (a, b)]
+    return "\n".join(list(difflib.unified_diff(*lines, lineterm="", n=2))[:40])
 
 
 def test_another_seed_moves_the_vf_timings() -> None:
