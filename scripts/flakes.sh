@@ -24,8 +24,11 @@ if [[ $runs -lt 1 ]]; then
 fi
 args=("$@")
 [[ ${#args[@]} -gt 0 ]] || args=(-m "not realkernel")
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q -e '.[test]' >/dev/null 2>&1 || .venv/bin/python -m pip install -e '.[test]'
+# The venv scripts/test.sh made; installed here only when missing (a hunt reruns often).
+if [ ! -x .venv/bin/pytest ]; then
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  .venv/bin/python -m pip install -q -e '.[test]' >/dev/null 2>&1 || .venv/bin/python -m pip install -e '.[test]'
+fi
 
 out=${FLAKES_DIR:-.flakes}
 rm -rf "$out"
