@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from ..waiting import until
 from .modbuild import KModule
 from .setup import Kernel
 
@@ -58,11 +58,8 @@ def test_modprobe_ib_core_live_then_remove() -> None:
     finally:
         p = _run("modprobe", "-r", "ib_core")
     assert p.returncode == 0, p.stderr
-    for _ in range(50):  # module removal is synchronous, sysfs teardown nearly so
-        if not sysmod.exists():
-            break
-        time.sleep(0.02)
-    assert not sysmod.exists()
+    # Module removal is synchronous, sysfs teardown nearly so (seconds under TCG at most).
+    until(lambda: not sysmod.exists(), f"{sysmod} still there after modprobe -r", 60.0)
 
 
 def test_out_of_tree_module_loads(built_modules: Callable[[KModule], Path]) -> None:

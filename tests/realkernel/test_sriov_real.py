@@ -32,6 +32,8 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import default_module_ops
 from nodeagent.host.netlink import PyrouteOps
 
+from ..waiting import until
+
 pytestmark = pytest.mark.realkernel
 
 PCI = Path("/sys/bus/pci/devices")
@@ -76,11 +78,9 @@ def bind(vf: str) -> str:
     """driver_override + drivers_probe: the VF's igbvf netdev appears; its name."""
     write(PCI / vf / "driver_override", "igbvf\n")
     write(Path("/sys/bus/pci/drivers_probe"), f"{vf}\n")
-    for _ in range(200):
-        if (PCI / vf / "net").is_dir() and os.listdir(PCI / vf / "net"):
-            return sorted(os.listdir(PCI / vf / "net"))[0]
-        time.sleep(0.01)
-    raise AssertionError(f"no netdev for VF {vf}")
+    net = PCI / vf / "net"
+    until(lambda: net.is_dir() and os.listdir(net), f"no netdev for VF {vf}", 60.0)
+    return sorted(os.listdir(net))[0]
 
 
 def wanted(i: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ NA_UEV = KModule(
 )
 
 
-def _wait_for(waker: Waker, wanted: str, seconds: float = 10.0) -> list[str]:
+def _wait_for(waker: Waker, wanted: str, seconds: float = 60.0) -> list[str]:
     """Everything the waker reported until ``wanted`` showed up (bounded)."""
     seen: list[str] = []
     deadline = time.monotonic() + seconds
