@@ -23,8 +23,8 @@ per guard). Every rule about running a plan is here:
   memory on a later pass. A worker never writes memory.
 
 ``threaded=False`` (the simulator) keeps every rule but runs what was submitted
-when ``run_pending`` is called, in the caller's thread, so virtual time decides
-the order.
+when ``run_pending`` is called, in the caller's thread (a parallel plan's steps
+too, one after another), so virtual time decides the order.
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ def execute_plan(
     run_step: Perform,
     stopped: Callable[[], bool] = lambda: False,
     detach: Callable[[Action, Future[ActionOutcome | None]], None] | None = None,
+    threads: bool = True,
 ) -> tuple[list[ActionOutcome], tuple[Action, ...]]:
     """Run ``plan`` by its strategy; (outcomes of the steps that ran, steps never started).
 
@@ -148,9 +149,12 @@ def execute_plan(
     steps once ``stopped()`` (a newer decision superseded the plan). With ``detach``,
     a superseded parallel plan does not wait for its steps in flight (one VF's hung
     write): each is handed to ``detach`` with its future, and the plan ends at once.
+    ``threads=False`` (the simulator) runs a parallel plan's steps one after another
+    in the caller's thread, still each regardless of the others' failures: steps in
+    threads of their own would touch the simulated node in an order the OS decides.
     """
     steps = plan.steps
-    if plan.strategy == "sequence" or plan.bound <= 1 or len(steps) <= 1:
+    if plan.strategy == "sequence" or plan.bound <= 1 or len(steps) <= 1 or not threads:
         out: list[ActionOutcome] = []
         for i, step in enumerate(steps):
             if stopped():
@@ -392,7 +396,7 @@ class GuardWorker:
                     run.ended.add(i)
 
         detach = self._detach_step if self.threaded else None
-        outcomes, not_done = execute_plan(run.plan, step, stopped, detach)
+        outcomes, not_done = execute_plan(run.plan, step, stopped, detach, self.threaded)
         superseded = run.superseded and bool(not_done)
         with self._cv:
             self._detach(run)
@@ -470,7 +474,7 @@ class PlanWorkers:
 
     def run_now(self, plan: Plan) -> list[ActionOutcome]:
         """Run one plan in this thread, its steps still bounded (the stop actions)."""
-        outcomes, _ = execute_plan(plan, self.steps)
+        outcomes, _ = execute_plan(plan, self.steps, threads=self.threaded)
         return outcomes
 
     def wait_idle(self, timeout: float) -> bool:
