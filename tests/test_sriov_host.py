@@ -25,6 +25,8 @@ from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps
 
+from .waiting import WAIT
+
 KVER = "6.1.0-sim"
 PF, PF_PCI = "enp1s0f0", "0000:01:00.0"
 
@@ -77,6 +79,61 @@ def test_observer_reads_every_vf_through_the_pf_wherever_its_netdev_is(kernel: S
     ]
     assert any("broken-net2" in p for p in obs.problems)
     assert any("deep-net3" in p for p in obs.problems)
+
+
+class ReloadWhileRead(SimSriovOps):
+    """MOFED's reload lands while the agent observes: right after its settings read (or its
+    link dump), the VFs are destroyed and created again, bare, and bound."""
+
+    def __init__(self, k: SimKernel, at: str) -> None:
+        super().__init__(k)
+        self.k, self.at, self.armed = k, at, False
+
+    def _reload(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.k.write_sriov_numvfs(PF, 0)
+            self.k.write_sriov_numvfs(PF, 4)
+            self.k.sched.run(self.k.sched.now() + 5)  # the new VFs probed, netdevs back
+
+    def vf_settings(self, pf_ifname: str) -> dict[int, dict[str, Any]]:
+        got = super().vf_settings(pf_ifname)
+        if self.at == "vf_settings":
+            self._reload()
+        return got
+
+    def links(self) -> dict[str, dict[str, Any]]:
+        got = super().links()
+        if self.at == "links":
+            self._reload()
+        return got
+
+
+@pytest.mark.parametrize("at", ["vf_settings", "links"])
+def test_vfs_created_again_while_observed_are_not_read_with_the_old_settings(
+    kernel: SimKernel, at: str
+) -> None:
+    """Issue 35's torn read (found under load by test_sriov_restart): the settings were
+    read from the VFs before a reload and the sysfs walk saw the new, bare ones; the guard
+    took them for restored with nothing written. Each such VF is now a problem (nothing
+    is written or judged on it) and the next observation reads it whole."""
+    for i in range(4):
+        kernel.set_vf(PF, i, vlan=10 + i)
+        kernel.set_link(f"{PF}v{i}", mtu=9000)
+    ops = ReloadWhileRead(kernel, at)
+    obs = observer(kernel, ops)
+    first = obs.observe().pfs[PF_PCI]
+    assert [v.settings["vlan"] for v in first.vfs] == [10, 11, 12, 13]
+    assert not any(v.problems for v in first.vfs)
+    ops.armed = True
+    torn = obs.observe().pfs[PF_PCI]
+    assert [v.index for v in torn.vfs] == [0, 1, 2, 3]
+    for v, old in zip(torn.vfs, first.vfs, strict=True):
+        assert v.ident != old.ident  # a new device
+        assert any("its device changed while it was read" in p for p in v.problems), v
+    again = obs.observe().pfs[PF_PCI]  # whole: the bare VFs as they are
+    assert not any(v.problems for v in again.vfs)
+    assert [v.settings["vlan"] for v in again.vfs] == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -512,7 +569,7 @@ class _FakeIPRoute:
         self.calls.append(vf["vf"])
         if vf["vf"] == 0:
             self.entered.set()
-            assert self.release.wait(10)
+            assert self.release.wait(WAIT)
 
     def close(self) -> None:
         self.closed = True
@@ -528,7 +585,7 @@ def test_a_hung_netlink_write_holds_only_its_own_socket(tmp_path: Path) -> None:
     hung = threading.Thread(target=ops.set_vf, args=("pf", 0, {"trust": True}), daemon=True)
     hung.start()
     try:
-        assert entered.wait(10)
+        assert entered.wait(WAIT)
         for i in range(1, 6):  # each returns while VF 0's call still hangs
             ops.set_vf("pf", i, {"trust": True})
         assert hung.is_alive()
@@ -539,7 +596,7 @@ def test_a_hung_netlink_write_holds_only_its_own_socket(tmp_path: Path) -> None:
         assert _FakeIPRoute.opened[1].closed and not _FakeIPRoute.opened[0].closed
     finally:
         release.set()
-        hung.join(10)
+        hung.join(WAIT)
     assert _FakeIPRoute.opened[0].closed  # closed when its call returned, not kept
     with pytest.raises(OSError, match="closed"):
         ops.set_vf("pf", 1, {"trust": True})

@@ -169,9 +169,8 @@ class SriovObserver:
     def observe(self) -> SriovObservation:
         problems: list[str] = []
         pfs: dict[str, PfSnapshot] = {}
-        links: dict[str, dict[str, Any]] | None = None
-        dumped = False
         blind: list[str] = []
+        found: list[str] = []
         for pci in self._devices(blind):
             dev = f"{PCI_DEVICES}/{pci}"
             if not is_pci_address(pci):  # the kernel names them so: nothing else is a PF
@@ -183,9 +182,14 @@ class SriovObserver:
                 self.sys.exists(f"{dev}/sriov_totalvfs") or self.sys.exists(f"{dev}/sriov_numvfs")
             ):
                 continue
-            if not dumped:
-                links, dumped = self._links(problems), True
-            pfs[pci] = self.read_pf(pci, links)
+            found.append(pci)
+        # Which VF devices exist, before any setting is read: a VF whose device is not the
+        # same one after the walk was created again in between (MOFED's reload), and the
+        # settings read belong to the one before it.
+        before = {pci: self._vf_idents(pci) for pci in found}
+        links = self._links(problems) if found else None
+        for pci in found:
+            pfs[pci] = self.read_pf(pci, links, before[pci])
         return SriovObservation(
             pfs=MappingProxyType(pfs),
             attachments=self.read_cni_cache(problems) if pfs else (),
@@ -207,6 +211,15 @@ class SriovObserver:
             blind.append(f"{PCI_DEVICES} unreadable: {getattr(exc, 'strerror', None) or exc}")
             return []
 
+    def _vf_idents(self, pci: str) -> dict[int, int | None]:
+        """Each VF's device (its sysfs directory's inode), by index."""
+        dev = f"{PCI_DEVICES}/{pci}"
+        return {
+            int(n[len("virtfn") :]): self.sys.ident(f"{dev}/{n}")
+            for n in self.sys.listdir(dev)
+            if n.startswith("virtfn") and is_decimal(n[len("virtfn") :]) and len(n) <= 11
+        }
+
     def _links(self, problems: list[str]) -> dict[str, dict[str, Any]] | None:
         """Every host netdev's settings; None when they could not be read."""
         if self.ops is None:
@@ -217,8 +230,16 @@ class SriovObserver:
             problems.append(f"netlink link dump failed: {exc.strerror or exc}")
             return None
 
-    def read_pf(self, pci: str, links: Mapping[str, Mapping[str, Any]] | None) -> PfSnapshot:
-        """One PF; ``links`` None: the netdevs' settings were not read (a problem per VF)."""
+    def read_pf(
+        self,
+        pci: str,
+        links: Mapping[str, Mapping[str, Any]] | None,
+        before: Mapping[int, int | None] | None = None,
+    ) -> PfSnapshot:
+        """One PF; ``links`` None: the netdevs' settings were not read (a problem per VF).
+        ``before``: each VF's device as read before any setting (``_vf_idents``)."""
+        if before is None:
+            before = self._vf_idents(pci)
         sysfs = self.sys
         dev = f"{PCI_DEVICES}/{pci}"
         problems: list[str] = []
@@ -258,6 +279,10 @@ class SriovObserver:
                 netdev_ident = sysfs.read_count(
                     f"{vdev}/net/{vf_netdev}/ifindex", bad, most=IFINDEX_MAX, what="an ifindex"
                 )
+            ident = sysfs.ident(vdev) if vdev else None
+            if vdev and (ident is None or before.get(i) != ident):
+                # Not the device whose settings were read: a torn read, never "restored".
+                bad.append(f"{where}: its device changed while it was read; read again")
             if vf_netdev is not None and links is None:
                 bad.append(f"{where}: settings of its netdev {vf_netdev} not read (no link dump)")
             elif vf_netdev is not None and links is not None and vf_netdev in links:
@@ -272,7 +297,7 @@ class SriovObserver:
                     netdev=vf_netdev,
                     settings=MappingProxyType(settings),
                     problems=tuple(bad),
-                    ident=sysfs.ident(vdev) if vdev else None,
+                    ident=ident,
                     netdev_ident=netdev_ident,
                 )
             )

@@ -301,8 +301,10 @@ class SimKernel:
         self.version += 1
         trash = self.root / "sys/.sim-trash" / f"{path.name}.{next(self._n)}"
         trash.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(path, trash)  # gone from its place in one step
-        shutil.rmtree(trash, ignore_errors=True)
+        # Gone from its place in one step, and kept in the trash: sysfs (kernfs) does not
+        # hand a removed directory's inode number to the next device soon, a filesystem
+        # freeing it would at once, and the agent tells a VF created again by its inode.
+        os.rename(path, trash)
 
     def _unlink(self, path: Path) -> None:
         self.version += 1
