@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,10 @@ from nodeagent.sim.modtree import GPU_MODULES
 from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
 from nodeagent.sim.scenarios import NVIDIA, stack_node
 
+from .waiting import WAIT, until
+
 KVER = "6.1.0-test"
 STACK = ("mlx5_core", "mlx5_ib", "ib_uverbs")  # ib_core comes with them
-
-
-def eventually(pred: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 class RunningAgent:
@@ -47,17 +39,24 @@ class RunningAgent:
         )
         self.thread = threading.Thread(target=self.agent.run, daemon=True)
         self.thread.start()
-        assert self.agent.wait_for_passes(1, 5), "first pass"
+        assert self.agent.wait_for_passes(1, WAIT), "first pass"
 
-    def settle(self) -> None:
-        """Wait for the pass after whatever has just happened."""
+    def next_pass(self) -> None:
         n = self.agent.passes
         self.agent.poke.poke("test")
-        assert self.agent.wait_for_passes(n + 1, 5)
+        assert self.agent.wait_for_passes(n + 1, WAIT), "the pass after a poke"
+
+    def settle(self) -> None:
+        """Wait for the pass after whatever has just happened, for what it started in the
+        workers to end, and for the pass that records it: what did not happen by then
+        would not happen without a change."""
+        self.next_pass()
+        until(lambda: not self.agent.workers.busy(), "the workers never went idle")
+        self.next_pass()  # a pass that took the outcomes in flight ends, or a new one runs
 
     def stop(self) -> None:
         self.agent.stop()
-        self.thread.join(5)
+        self.thread.join(WAIT)
         assert not self.thread.is_alive()
 
 
@@ -100,13 +99,13 @@ def test_flag_loads_blacklist_unloads(node: Node) -> None:
         assert not peermem_live(node)
         assert not (node.root / GATE).exists()
         node.write(READY)  # MOFED: "Setting driver ready state"
-        eventually(lambda: peermem_live(node), "nvidia_peermem loaded after the ready flag")
-        eventually(lambda: (node.root / GATE).exists(), "gate file published")
+        until(lambda: peermem_live(node), "nvidia_peermem loaded after the ready flag")
+        until(lambda: (node.root / GATE).exists(), "gate file published")
         node.write_blacklist()  # MOFED: openibd restart begins
-        eventually(lambda: not peermem_live(node), "nvidia_peermem unloaded on the blacklist")
-        eventually(lambda: not (node.root / GATE).exists(), "gate file withdrawn")
+        until(lambda: not peermem_live(node), "nvidia_peermem unloaded on the blacklist")
+        until(lambda: not (node.root / GATE).exists(), "gate file withdrawn")
         # A worker's outcome is recorded by the pass that absorbs it, just after.
-        eventually(lambda: len(action_records(node)) >= 2, "the unload recorded")
+        until(lambda: len(action_records(node)) >= 2, "the unload recorded")
         actions = [(r["action"], r["ok"]) for r in action_records(node)]
         assert actions[0][0].startswith("load nvidia_peermem from run/nvidia/driver/")
         assert actions == [(actions[0][0], True), ("unload nvidia_peermem", True)]
@@ -118,9 +117,9 @@ def test_agent_restarted_mid_restart_converges(node: Node) -> None:
     """Stopped while MOFED restarts; the stack reloads behind its back; the flag is stale."""
     agent = RunningAgent(node)
     node.write(READY)
-    eventually(lambda: peermem_live(node), "first load")
+    until(lambda: peermem_live(node), "first load")
     node.write_blacklist()
-    eventually(lambda: not peermem_live(node), "unload on restart")
+    until(lambda: not peermem_live(node), "unload on restart")
     agent.stop()
 
     # While the agent is down, openibd restart finishes; MOFED removes the blacklist
@@ -136,8 +135,8 @@ def test_agent_restarted_mid_restart_converges(node: Node) -> None:
         assert status["guards"]["peermem"]["verdict"] == "closed"
         assert any("stale" in r for r in status["guards"]["peermem"]["reasons"])
         node.write(READY)  # MOFED re-creates the flag at the end
-        eventually(lambda: peermem_live(node), "load after the fresh flag")
-        eventually(lambda: (node.root / GATE).exists(), "gate published")
+        until(lambda: peermem_live(node), "load after the fresh flag")
+        until(lambda: (node.root / GATE).exists(), "gate published")
     finally:
         agent.stop()
 
@@ -145,7 +144,7 @@ def test_agent_restarted_mid_restart_converges(node: Node) -> None:
 def test_agent_restarted_with_peermem_loaded_changes_nothing(node: Node) -> None:
     agent = RunningAgent(node)
     node.write(READY)
-    eventually(lambda: peermem_live(node), "load")
+    until(lambda: peermem_live(node), "load")
     agent.stop()
     agent = RunningAgent(node)
     try:
@@ -172,7 +171,7 @@ def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
     agent = RunningAgent(node)
     try:
         node.write(READY)
-        eventually(
+        until(
             lambda: (
                 "MOFED ready flag run/mellanox/drivers/.driver-ready is absent"
                 not in json.loads((node.root / "run/nodeagent/status.json").read_text())["guards"][
@@ -210,7 +209,7 @@ class _CrashingKernel:
 
     def remove(self, name: str) -> None:
         # The unload never returns: the agent dies here (nothing after it runs).
-        self.hung.wait(10)
+        self.hung.wait(WAIT)
 
     def probe(self, name: str, moddir: str, params: object = ()) -> None:
         raise AssertionError("not used")

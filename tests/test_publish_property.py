@@ -34,6 +34,7 @@ from nodeagent.sim.node import Node
 
 from .healthy import healthy_node
 from .test_gate_property import NODE_CHANGES, change
+from .waiting import WAIT, until
 
 PEERMEM = "nvidia_peermem"
 
@@ -49,7 +50,7 @@ class SlowKernel:
 
     def insert_fd(self, fd: int, name: str, params: Sequence[str]) -> None:
         if self.slow:
-            assert self.gate.wait(30), "a held load was never released"
+            assert self.gate.wait(WAIT), "a held load was never released"
         with self.node.sched.world:
             self.node.kernel.insert_fd(fd, name, params)
 
@@ -83,13 +84,6 @@ def idle_peermem(node: Node) -> bool:
     with node.sched.world:
         m = node.kernel.modules.get(PEERMEM)
         return m is not None and m.state == "live" and not m.holders
-
-
-def eventually(pred: Any, what: str, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, what
-        time.sleep(0.002)
 
 
 @settings(
@@ -140,12 +134,12 @@ def test_the_published_gate_never_reads_open_while_the_node_decides_closed(
             assert not (reading.is_open and not fresh.verdicts["peermem"].ok), (kind, arg)
             # Protective first: the restart's unload starts in this pass, whatever is stuck.
             if unload_due and restart_signals(result.snapshot, cfg.paths.mofed, "container"):
-                eventually(lambda: PEERMEM in kernel.removed, "the restart unload was not started")
+                until(lambda: PEERMEM in kernel.removed, "the restart unload was not started")
                 kernel.removed.clear()
     finally:
         kernel.slow = False
         kernel.release()
-        agent.workers.close(10)
+        agent.workers.close(WAIT)
         agent.close()
         node.kernel.uevent_source.close()
 

@@ -22,6 +22,7 @@ from nodeagent.core.sriov_model import (
     snapshot_to_json,
 )
 from tests.sriov_world import PF_PCI, READ_FAILURES, World, wanted
+from tests.waiting import WAIT
 
 POLICY = SriovPolicy(numvfs_grace_s=30, vf_deadline_s=60, poll_s=2, retry_base_s=0.5)
 
@@ -654,21 +655,21 @@ def test_a_restore_in_progress_for_a_pf_that_went_away_is_cancelled() -> None:
         started.append(action.index)
         if len(started) == 1:
             entered.set()
-            assert release.wait(10)
+            assert release.wait(WAIT)
         return ActionOutcome(action=action, ok=True)
 
     w = PlanWorkers(("sriov",), perform, step_timeout_s=lambda _a: 30.0)  # type: ignore[arg-type]
     try:
         w.submit({"sriov": Plan("sriov", tuple(restores), "parallel", bound=1)})
-        assert entered.wait(10)
+        assert entered.wait(WAIT)
         gone = run.guard.decide(_without_pf(run.world.observe(3.0)), d.memory)
         assert not [a for a in gone.actions if isinstance(a, RestoreVf)]
         w.submit({"sriov": Plan("sriov", gone.actions)})
         release.set()
-        assert w.wait_idle(10)
+        assert w.wait_idle(WAIT)
         (finished,) = w.take_finished()
         assert finished.superseded and len(finished.not_done) == 3
         assert len(started) == 1  # the step in flight ended; no other VF was started
     finally:
         release.set()
-        w.close(10)
+        w.close(WAIT)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,8 @@ from nodeagent.core.sriov import SriovMemory, SriovPolicy
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel, VfConfig
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps
+
+from .waiting import WAIT, until
 
 KVER = "6.1.0-restart"
 PF, PF_PCI = "enp1s0f0", "0000:01:00.0"
@@ -76,7 +76,7 @@ class DiesMidRestore(SimSriovOps):
     def set_vf(self, pf_ifname: str, index: int, values: Any) -> None:
         if self.armed and index not in RESTORED_BEFORE_THE_KILL:
             self.hung.set()
-            self.release.wait(30)
+            self.release.wait(WAIT)
             raise OSError("the process is gone")  # nothing written after the "kill"
         super().set_vf(pf_ifname, index, values)
 
@@ -100,15 +100,6 @@ def start(k: SimKernel, ops: SimSriovOps) -> tuple[Agent, threading.Thread]:
     return agent, thread
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
 def restored(k: SimKernel, want: list[VfConfig]) -> set[int]:
     return {vf.index for vf in k.pfs[PF].vfs if vf.config == want[vf.index]}
 
@@ -130,13 +121,14 @@ def test_a_restart_in_the_middle_of_a_vf_restore_finishes_it_from_the_saved_snap
     second: Agent | None = None
     try:
         k.uevent_source.push("test: configured")
-        assert wait_until(
+        until(
             lambda: (
                 (s := saved_settings(first)) is not None
                 and len(s) == N
                 and all(v.get("mtu") == 9000 for v in s.values())
-            )
-        ), "the first agent took no snapshot of the configured VFs"
+            ),
+            "the first agent took no snapshot of the configured VFs",
+        )
         snapshot_before = saved_settings(first)
 
         first_ops.armed = True
@@ -145,9 +137,10 @@ def test_a_restart_in_the_middle_of_a_vf_restore_finishes_it_from_the_saved_snap
         for i in range(N):
             k.bind_vf(PF, i)
         k.uevent_source.push("test: VFs back")
-        assert wait_until(
-            lambda: first_ops.hung.is_set() and restored(k, want) >= RESTORED_BEFORE_THE_KILL
-        ), f"the first agent's restore did not get under way: {restored(k, want)}"
+        until(
+            lambda: first_ops.hung.is_set() and restored(k, want) >= RESTORED_BEFORE_THE_KILL,
+            "the first agent's restore did not get under way",
+        )
         assert restored(k, want) == RESTORED_BEFORE_THE_KILL
 
         # The "kill": the first agent's loop stops inside its next pass, for good.
@@ -155,28 +148,30 @@ def test_a_restart_in_the_middle_of_a_vf_restore_finishes_it_from_the_saved_snap
 
         def stuck(*a: Any, **kw: Any) -> Any:
             frozen.set()
-            thaw.wait(60)
+            thaw.wait(2 * WAIT)
             return observe(*a, **kw)
 
         first.observer.observe = stuck  # type: ignore[method-assign]
         first.poke.poke("test: freeze")
-        assert frozen.wait(10)
+        assert frozen.wait(WAIT)
 
         second, second_thread = start(k, SimSriovOps(k))
         k.uevent_source.push("test: second agent")
-        assert wait_until(lambda: restored(k, want) == set(range(N))), (
-            f"after the restart, restored: {sorted(restored(k, want))}"
+        until(
+            lambda: restored(k, want) == set(range(N)),
+            "after the restart, not every VF was restored",
         )
         # What it restored from is what was saved before the restore began, and it
         # still holds that: the half-restored VFs never became the snapshot.
         assert saved_settings(second) == snapshot_before
         mem = second.memory["sriov"]
         assert isinstance(mem, SriovMemory)
-        assert wait_until(lambda: second.memory["sriov"].pfs[PF_PCI].phase == "restored"), (  # type: ignore[attr-defined]
-            second.memory["sriov"].pfs[PF_PCI].phase  # type: ignore[attr-defined]
+        until(
+            lambda: second.memory["sriov"].pfs[PF_PCI].phase == "restored",  # type: ignore[attr-defined]
+            "the second agent's restore never reached its phase 'restored'",
         )
         second.stop()
-        second_thread.join(10)
+        second_thread.join(WAIT)
         assert not second_thread.is_alive()
     finally:
         if second is not None:
@@ -184,7 +179,7 @@ def test_a_restart_in_the_middle_of_a_vf_restore_finishes_it_from_the_saved_snap
         first_ops.release.set()
         thaw.set()
         first.stop()
-        first_thread.join(10)
+        first_thread.join(WAIT)
 
 
 def once(k: SimKernel) -> tuple[Agent, PassResult]:

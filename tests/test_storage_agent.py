@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +13,8 @@ import pytest
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
+
+from .waiting import WAIT, until
 
 HOLD = "etc/modprobe.d/nodeagent-storage-hold.conf"
 LOCK = "run/mellanox/drivers/.lock"
@@ -87,16 +88,14 @@ def test_the_hold_file_is_written_then_removed_when_the_agent_stops(tmp_path: Pa
     thread.start()
     try:
         # The removal pass, its plan in the worker, then the pass that absorbs it.
-        deadline = time.monotonic() + 30
-        while not agent.memory["storage"].holding and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: agent.memory["storage"].holding, "the hold was never taken")
         assert kernel.removed == ["rpcrdma"]
         text = (root / HOLD).read_text()
         assert "install rpcrdma /bin/false" in text and "install xprtrdma /bin/false" in text
         assert agent.memory["storage"].holding
     finally:
         agent.stop()
-        thread.join(30)
+        thread.join(WAIT)
     assert not thread.is_alive()
     assert not (root / HOLD).exists()  # MOFED is still pending, but the agent is gone
 
