@@ -139,6 +139,12 @@ def _clean(
     return out, problems
 
 
+def _virtfn_suffix(name: str) -> str | None:
+    """The index digits of a PF's ``virtfnN`` link; None for any other entry."""
+    suffix = name[len("virtfn") :]
+    return suffix if name.startswith("virtfn") and is_decimal(suffix) else None
+
+
 def _pci_or_problem(name: str | None, rel: str, problems: list[str]) -> str | None:
     """A VF's PCI address from its ``virtfnN`` link, checked as the snapshot's reader
     checks it: anything else (``../..``) is a problem, never a name saved and refused later."""
@@ -215,9 +221,9 @@ class SriovObserver:
         """Each VF's device (its sysfs directory's inode), by index."""
         dev = f"{PCI_DEVICES}/{pci}"
         return {
-            int(n[len("virtfn") :]): self.sys.ident(f"{dev}/{n}")
+            int(suffix): self.sys.ident(f"{dev}/{n}")
             for n in self.sys.listdir(dev)
-            if n.startswith("virtfn") and is_decimal(n[len("virtfn") :]) and len(n) <= 11
+            if (suffix := _virtfn_suffix(n)) is not None and len(suffix) <= 5
         }
 
     def _links(self, problems: list[str]) -> dict[str, dict[str, Any]] | None:
@@ -234,12 +240,10 @@ class SriovObserver:
         self,
         pci: str,
         links: Mapping[str, Mapping[str, Any]] | None,
-        before: Mapping[int, int | None] | None = None,
+        before: Mapping[int, int | None],
     ) -> PfSnapshot:
         """One PF; ``links`` None: the netdevs' settings were not read (a problem per VF).
         ``before``: each VF's device as read before any setting (``_vf_idents``)."""
-        if before is None:
-            before = self._vf_idents(pci)
         sysfs = self.sys
         dev = f"{PCI_DEVICES}/{pci}"
         problems: list[str] = []
@@ -257,8 +261,8 @@ class SriovObserver:
             problems.append("no netlink: VF settings not read")
         indexes = []
         for n in sysfs.listdir(dev):
-            suffix = n[len("virtfn") :]
-            if not n.startswith("virtfn") or not is_decimal(suffix):
+            suffix = _virtfn_suffix(n)
+            if suffix is None:
                 continue
             if len(suffix) > 5 or int(suffix) >= MAX_VFS:
                 problems.append(f"{dev}/{n[:24]}: not a VF index (0..{MAX_VFS - 1})")
