@@ -41,33 +41,17 @@ from nodeagent.core.actions import (
     UnloadModule,
     WriteFile,
 )
-from nodeagent.errors import NodeagentError
+from nodeagent.errors import NodeagentError, StepFailed
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
-from nodeagent.host.netlink import SriovOps
+from nodeagent.host.netlink import PyrouteOps, SriovOps
+from nodeagent.host.sriov_act import SriovExecutor
 
 KernelLog = Callable[[str], list[str]]
 # Performs one action; raises StepFailed, OSError, NodeagentError. It may return per-field
 # results, (field, "written" | "unsupported" | ...), for an action that sets several fields.
 Handler = Callable[[Any], tuple[tuple[str, str], ...] | None]
 _TRANSIENT = {errno.EAGAIN, errno.EINTR}
-
-
-class StepFailed(Exception):
-    """An action the node refused, with what the guard needs to know about it."""
-
-    def __init__(
-        self,
-        error: str,
-        err: int | None = None,
-        messages: tuple[str, ...] = (),
-        detail: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        super().__init__(error)
-        self.error = error
-        self.errno = err
-        self.kernel_messages = messages
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -187,10 +171,7 @@ class FileExecutor:
 
 
 def sriov_executor(hands: NodeHands) -> Executor:
-    """The VF guard's RestoreVf/SetNumVfs (host/sriov_act.py, which imports StepFailed)."""
-    from nodeagent.host.netlink import PyrouteOps
-    from nodeagent.host.sriov_act import SriovExecutor
-
+    """The VF guard's RestoreVf/SetNumVfs (host/sriov_act.py)."""
     return SriovExecutor(hands.host, hands.sriov or PyrouteOps(hands.host))
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nodeagent.core.actions import RestoreVf, SetNumVfs
-from nodeagent.host.act import StepFailed
+from nodeagent.errors import StepFailed
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.netlink import FIELD_GROUPS, LINK_FIELDS, SriovOps
 from nodeagent.host.sriov import PCI_DEVICES, Sysfs

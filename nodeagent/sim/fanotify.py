@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import errno
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from nodeagent.host.events import Poke
 from nodeagent.host.fanotify import FAN_OPEN_PERM, PermEvent
-
-if TYPE_CHECKING:
-    from nodeagent.sim.clock import Actor
-    from nodeagent.sim.kernel import SimKernel
+from nodeagent.sim.clock import Actor, Scheduler
 
 __all__ = ["PendingOpen", "SimFanotify"]
 
@@ -49,8 +47,24 @@ class PendingOpen:
     answer: bool | None = None
 
 
+class MarkedKernel(Protocol):
+    """What a group needs of the simulated kernel (``SimKernel``, which makes the groups:
+    named here, not imported, so the two modules do not import each other)."""
+
+    @property
+    def sched(self) -> Scheduler: ...
+
+    @property
+    def superblocks(self) -> Mapping[str, int]: ...
+
+    @property
+    def fanotify_groups(self) -> list[Any]: ...
+
+    def superblock_at(self, path: str) -> int | None: ...
+
+
 class SimFanotify:
-    def __init__(self, kernel: SimKernel) -> None:
+    def __init__(self, kernel: MarkedKernel) -> None:
         self.kernel = kernel
         self.marks: set[int] = set()
         self.closed = False
