@@ -33,6 +33,7 @@ from pathlib import Path
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.guards.peermem_hold import PeermemHold
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.hold import Responder, sees_host_pids
 from nodeagent.sim.node import READY, Node
@@ -88,8 +89,10 @@ def latency(root: Path, node: Node, trials: int) -> list[float]:
     thread.start()
     out: list[float] = []
     try:
-        wait(lambda: agent.hold is not None and agent.passes >= 1, "the hold started")
-        hold = agent.hold
+        side = agent.side("peermem")
+        assert isinstance(side, PeermemHold)  # the peermem guard's host side: the hold
+        wait(lambda: side.hold is not None and agent.passes >= 1, "the hold started")
+        hold = side.hold
         assert hold is not None
         for _ in range(trials):
             proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.DEVNULL)
@@ -99,7 +102,7 @@ def latency(root: Path, node: Node, trials: int) -> list[float]:
             proc.wait(20)
             out.append(time.perf_counter() - t0)
             node.remove(READY)  # MOFED restarts: the gate closes again
-            wait(lambda: not agent._hold_gate_open, "the gate closed again")
+            wait(lambda: not side.gate_open, "the gate closed again")
     finally:
         agent.stop()
         thread.join(10)

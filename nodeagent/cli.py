@@ -51,7 +51,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _gate_names() -> list[str]:
     from nodeagent.core.paths import HostPaths
-    from nodeagent.core.registry import build_guards
+    from nodeagent.guards.registry import build_guards
 
     return [g.name for g in build_guards({}, HostPaths()) if g.gate]
 
@@ -186,12 +186,12 @@ def safe(text: object) -> str:
 
 
 def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
-    from nodeagent.agent import Agent
     from nodeagent.exporters import build_exporters
     from nodeagent.host.agentlock import AgentLock
     from nodeagent.host.events import StopOnSignal
     from nodeagent.host.fs import HostRoot
     from nodeagent.log import setup_logging
+    from nodeagent.loop.wiring import LoopHooks, build_agent
 
     setup_logging(log_level)
     # One agent per node; the lock is taken before anything is read or written
@@ -199,7 +199,8 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     with AgentLock(HostRoot(cfg.host_root)):
         exporters = build_exporters(cfg, once)
         try:
-            agent = Agent(cfg, on_record=exporters.on_record, on_pass=exporters.on_pass)
+            hooks = LoopHooks(on_record=exporters.on_record, on_pass=exporters.on_pass)
+            agent = build_agent(cfg, hooks=hooks)
             with StopOnSignal(agent.stop, grace_seconds=1.5):
                 agent.run(once=once)
         finally:
@@ -254,25 +255,10 @@ def cmd_explain(files: list[str], as_json: bool) -> int:
 
 
 def cmd_check(cfg: Config, as_json: bool) -> int:
-    from nodeagent.core.registry import build_reconciler
-    from nodeagent.host.fs import HostRoot
-    from nodeagent.host.netlink import PyrouteOps
-    from nodeagent.host.observe import Observer, Readers
-    from nodeagent.host.sriov import SriovObserver, SriovStore
-    from nodeagent.host.state import StateStore
+    from nodeagent.loop.wiring import check_node
     from nodeagent.timeline import bounded
 
-    host = HostRoot(cfg.host_root)
-    # Read-only: a bad snapshot file is reported here, moved aside only by the daemon.
-    store = SriovStore(host, cfg.paths.sriov_snapshot, read_only=True)
-    sriov = SriovObserver(host, PyrouteOps(host), store, cfg.paths.sriov_cni_cache)
-    reconciler = build_reconciler(cfg.policies, cfg.paths)
-    # Read-only use of the daemon's memory, so a stale flag is judged as the daemon would.
-    memory, problems = StateStore(host, cfg.paths.state_dir).load_memory(reconciler, read_only=True)
-    observer = Observer(host, cfg, reconciler.needs(), Readers(sriov=sriov.read))
-    snap = observer.observe(time.time())
-    observer.close()
-    rec = reconciler.decide(snap, memory)
+    snap, rec, problems = check_node(cfg)
     doc = {
         "kernel": snap.kernel,
         "guards": {g: v.to_json() for g, v in rec.verdicts.items()},

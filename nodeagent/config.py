@@ -16,8 +16,8 @@ from nodeagent.core import policy as cfgval
 from nodeagent.core.labels import DEFAULT_PREFIX, check_prefix
 from nodeagent.core.names import is_decimal
 from nodeagent.core.paths import HostPaths
-from nodeagent.core.registry import GUARDS, entry
 from nodeagent.errors import NodeagentError
+from nodeagent.guards.registry import GUARDS, entry
 
 __all__ = ["MODES", "Config", "HostPaths", "config_from_mapping", "load_config"]
 
@@ -63,7 +63,7 @@ class Config:
     paths: HostPaths = field(default_factory=HostPaths)
     labels: LabelsConfig = field(default_factory=LabelsConfig)
     npd: NpdConfig = field(default_factory=NpdConfig)
-    # Each guard's policy by guard name, parsed by the guard's own entry in core/registry.py;
+    # Each guard's policy by guard name, parsed by the guard's own entry in guards/registry.py;
     # a guard missing here runs with its default policy.
     policies: Mapping[str, Any] = field(default_factory=dict)
 

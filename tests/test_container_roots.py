@@ -352,6 +352,7 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
     from nodeagent.agent import Agent
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
+    from nodeagent.guards.peermem_hold import PeermemHold
 
     from .healthy import healthy_node
 
@@ -368,7 +369,9 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
     thread.start()
     status_file = host / "run/nodeagent/status.json"
     try:
-        until(lambda: agent.hold_containers is not None, "the container scanner did not start")
+        side = agent.side("peermem")
+        assert isinstance(side, PeermemHold)
+        until(lambda: side.containers is not None, "the container scanner did not start")
         c = rig.start()
 
         def listed() -> list[dict[str, object]]:

@@ -279,6 +279,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
     from nodeagent.agent import Agent
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
+    from nodeagent.guards.peermem_hold import PeermemHold
     from nodeagent.sim.node import READY
 
     from .healthy import healthy_node
@@ -307,9 +308,11 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()
-        until(lambda: agent.hold is not None and agent.passes >= 1, "the hold did not start")
-        hold = agent.hold
-        assert hold is not None and agent.hold_marked == ["run/nvidia/driver"]
+        side = agent.side("peermem")
+        assert isinstance(side, PeermemHold)  # the peermem guard's host side
+        until(lambda: side.hold is not None and agent.passes >= 1, "the hold did not start")
+        hold = side.hold
+        assert hold is not None and side.marked == ["run/nvidia/driver"]
         answers = record_answers(hold)
         proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.PIPE)
         try:

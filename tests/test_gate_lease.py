@@ -186,7 +186,7 @@ def _closed_within_the_lease(root: Path, agent: object, stuck_at: float) -> None
     closed within the lease, and the agent has said, loudly, that it cannot withdraw it."""
     gates = GateFiles(HostRoot(root), "run/nodeagent")
     _reads_closed_within_the_lease(gates, stuck_at, "a reader still sees open")
-    stuck = agent._stuck_gates
+    stuck = agent.gates.stuck
     until(lambda: "peermem" in stuck, "the failed withdrawal was not noticed")
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
     recs = [json.loads(line) for line in timeline.open()] if timeline.exists() else []
@@ -207,7 +207,7 @@ def test_an_immutable_gate_file_expires_within_the_lease(running: tuple[Path, ob
         assert (root / GATE).exists()  # still there, and read as closed
     finally:
         subprocess.run(["chattr", "-i", str(root / GATE)], capture_output=True)
-    stuck = agent._stuck_gates
+    stuck = agent.gates.stuck
     until(lambda: "peermem" not in stuck, "the withdrawal was not retried once possible")
     until(lambda: not (root / GATE).exists(), "the file was not withdrawn on retry")
 

@@ -357,7 +357,7 @@ def test_every_config_key_is_documented() -> None:
             config_from_mapping({section: probe} if section else probe)
         return str(err.value).split("(known: ", 1)[1].rstrip(")").split(", ")
 
-    from nodeagent.core.registry import GUARDS
+    from nodeagent.guards.registry import GUARDS
 
     sections = {k: known(k) for k in ("paths", *(e.name for e in GUARDS))}
     top = known(None)

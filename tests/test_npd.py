@@ -32,7 +32,7 @@ from nodeagent.core.conditions import (
     one_line,
 )
 from nodeagent.core.guard import Verdict
-from nodeagent.core.registry import GUARDS
+from nodeagent.guards.registry import GUARDS
 from nodeagent.journal import message
 from nodeagent.sim.node import READY
 

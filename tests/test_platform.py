@@ -16,12 +16,13 @@ import pytest
 from nodeagent.config import Config
 from nodeagent.core.actions import Plan, UnloadModule, WriteFile
 from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
-from nodeagent.core.registry import GUARDS
 from nodeagent.core.snapshot import FileLock
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
+from nodeagent.guards.registry import GUARDS
 from nodeagent.host.act import Actuator, Handler, NodeHands
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.observe import Observer, Readers
+from nodeagent.loop.workers import execute_plan
 
 from .waiting import WAIT
 
@@ -85,7 +86,7 @@ def actuator(tmp_path: Path, ex: PingExecutor, *more: Any) -> Actuator:
 def test_sequence_stops_at_the_first_failure_and_reports_it(tmp_path: Path) -> None:
     ex = PingExecutor(fail={2})
     plan = Plan("g", tuple(Ping("g", n) for n in (1, 2, 3)))  # type: ignore[arg-type]
-    outcomes = actuator(tmp_path, ex).run_plan(plan)
+    outcomes = execute_plan(plan, actuator(tmp_path, ex).perform)[0]
     assert ex.done == [1]
     assert [o.ok for o in outcomes] == [True, False]
     assert outcomes[1].errno == 5 and "ping 2" in (outcomes[1].error or "")
@@ -95,7 +96,8 @@ def test_parallel_runs_every_step_with_at_most_bound_at_once(tmp_path: Path) -> 
     bound = 3
     ex = PingExecutor(fail={4}, gate=threading.Barrier(bound))
     steps = tuple(Ping("vf", n) for n in range(9))
-    outcomes = actuator(tmp_path, ex).run_plan(Plan("vf", steps, "parallel", bound))  # type: ignore[arg-type]
+    plan = Plan("vf", steps, "parallel", bound)  # type: ignore[arg-type]
+    outcomes = execute_plan(plan, actuator(tmp_path, ex).perform)[0]
     # The barrier only opens with `bound` steps in flight: all nine ran, three at a time.
     assert ex.peak == bound
     assert sorted(ex.done) == [0, 1, 2, 3, 5, 6, 7, 8]
@@ -250,5 +252,9 @@ def test_check_imports_only_what_it_uses(node: Path) -> None:
         "nodeagent.host.act",
         "nodeagent.host.events",
         "nodeagent.agent",
+        "nodeagent.loop.agent",
+        "nodeagent.loop.workers",
+        "nodeagent.host.hold",
+        "nodeagent.host.containers",
     }
     assert not loaded & unwanted, sorted(loaded & unwanted)

@@ -637,7 +637,7 @@ def test_a_restore_in_progress_for_a_pf_that_went_away_is_cancelled() -> None:
     import threading
 
     from nodeagent.core.actions import ActionOutcome, Plan
-    from nodeagent.host.worker import PlanWorkers
+    from nodeagent.loop.workers import PlanWorkers
 
     run = stable_then_unloaded(4)
     run.world.reload()

@@ -17,10 +17,11 @@ from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import FileFact, NodeSnapshot
 from nodeagent.core.sriov import SriovGuard
 from nodeagent.core.sriov_model import SNAPSHOT_VERSION, SriovObservation
-from nodeagent.host.act import Actuator
+from nodeagent.host.act import EXECUTORS, Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.netlink import PyrouteOps, parse_vfinfo, write_sysfs
 from nodeagent.host.sriov import SriovObserver, SriovStore
+from nodeagent.host.sriov_act import SriovExecutor
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps
@@ -353,7 +354,8 @@ def test_failed_netlink_reads_leave_the_snapshot_file_as_it_was(
 
 def actuator(k: SimKernel, ops: SimSriovOps) -> Actuator:
     """The agent's own actuator: the executor table sends VF actions to the SR-IOV executor."""
-    return Actuator(HostRoot(k.root), k, k.kernel_messages, sriov_ops=ops)
+    sriov = (lambda hands: SriovExecutor(hands.host, ops),)  # the VF guard's host side's
+    return Actuator(HostRoot(k.root), k, k.kernel_messages, executors=(*EXECUTORS, *sriov))
 
 
 def restore_action(k: SimKernel, index: int, **want: Any) -> RestoreVf:

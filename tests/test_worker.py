@@ -25,7 +25,7 @@ from nodeagent.core.actions import Action, ActionOutcome, LoadModule, Plan, Unlo
 from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModprobeTools
-from nodeagent.host.worker import PlanWorkers
+from nodeagent.loop.workers import PlanWorkers
 
 from .test_storage_agent import HOLD, LOCK, node
 from .waiting import WAIT, until

@@ -1,7 +1,7 @@
 """Validation of config values, shared by the config loader and each guard's policy parser.
 
 Pure: a bad value is a NodeagentError naming the key and the value, in one line.
-Each guard parses its own ``[<guard>]`` table with these (see core/registry.py).
+Each guard parses its own ``[<guard>]`` table with these (see guards/registry.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pure, like the guards: the agent loop (nodeagent.agent) supplies snapshots and
 carries out each guard's plan. The guards come from the one list in
-``core/registry.py``; nothing here knows what a guard is about.
+``guards/registry.py``; nothing here knows what a guard is about.
 """
 
 from __future__ import annotations

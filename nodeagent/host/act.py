@@ -1,12 +1,11 @@
 """Carry out guard plans on the node. The only place a module is loaded or a file written.
 
-Each action type has one handler, found in one table built from ``EXECUTORS``
-(modules: libkmod/insmod; files: atomic writes under the host root; a new kind
-of action — e.g. netlink VF configuration — is one more executor there). A
-guard's plan runs with its strategy: ``sequence`` stops at the first failure
-and reports it; ``parallel`` runs up to ``bound`` steps at once. Plans of
-different guards run side by side, so one guard's slow or retried plan never
-delays another guard's actions.
+Each action type has one handler, found in one table built from the shared
+``EXECUTORS`` (modules: libkmod/insmod; files: atomic writes under the host
+root) and those a guard's host side brings for actions of its own kinds (the
+VF guard's netlink: ``guards/sriov_host.py``). How a plan runs (its strategy,
+its timeouts, one worker per guard) is ``loop/workers.py``; this performs one
+action.
 
 Transient errors (EAGAIN, EINTR, and EBUSY on removal while a reference is
 being dropped) are retried a few times within the action, with tenacity;
@@ -36,7 +35,6 @@ from nodeagent.core.actions import (
     ActionOutcome,
     LoadModule,
     LoadModuleFile,
-    Plan,
     RemoveFile,
     UnloadModule,
     WriteFile,
@@ -44,10 +42,8 @@ from nodeagent.core.actions import (
 from nodeagent.errors import NodeagentError, StepFailed
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
-from nodeagent.host.netlink import PyrouteOps, SriovOps
-from nodeagent.host.sriov_act import SriovExecutor
+from nodeagent.host.ports import KernelLog
 
-KernelLog = Callable[[str], list[str]]
 # Performs one action; raises StepFailed, OSError, NodeagentError. It may return per-field
 # results, (field, "written" | "unsupported" | ...), for an action that sets several fields.
 Handler = Callable[[Any], tuple[tuple[str, str], ...] | None]
@@ -65,7 +61,6 @@ class NodeHands:
     first_wait_s: float = 0.05
     # The descriptor the observer read and checked a .ko from (None: not verified now).
     verified_fd: Callable[[str], int | None] | None = None
-    sriov: SriovOps | None = None  # netlink and sriov_numvfs (pyroute2 unless injected)
 
 
 class Executor(Protocol):
@@ -170,17 +165,9 @@ class FileExecutor:
         self.host.remove(action.path)
 
 
-def sriov_executor(hands: NodeHands) -> Executor:
-    """The VF guard's RestoreVf/SetNumVfs (host/sriov_act.py)."""
-    return SriovExecutor(hands.host, hands.sriov or PyrouteOps(hands.host))
-
-
-# The executors; a new kind of action is one more entry here.
-EXECUTORS: tuple[Callable[[NodeHands], Executor], ...] = (
-    ModuleExecutor,
-    FileExecutor,
-    sriov_executor,
-)
+# The executors every guard shares; a guard with actions of its own kinds brings their
+# executor in its host side (guards/side.py), and the wiring adds it to these.
+EXECUTORS: tuple[Callable[[NodeHands], Executor], ...] = (ModuleExecutor, FileExecutor)
 
 
 class Actuator:
@@ -194,13 +181,9 @@ class Actuator:
         executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
         verified_fd: Callable[[str], int | None] | None = None,
         clock: Callable[[], float] = time.time,
-        sriov_ops: SriovOps | None = None,
     ) -> None:
-        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it);
-        ``sriov_ops``: the VF guard's netlink and ``sriov_numvfs`` access (pyroute2 by default)."""
-        hands = NodeHands(
-            host, ops, kernel_log, attempts, first_wait_s, verified_fd=verified_fd, sriov=sriov_ops
-        )
+        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it)."""
+        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s, verified_fd=verified_fd)
         self.clock = clock
         self.table: dict[type, Handler] = {}
         for make in executors:
@@ -239,13 +222,6 @@ class Actuator:
                 action=action, ok=False, errno=err, error=f"{action.describe()}: {exc}"
             )
         return ActionOutcome(action=action, ok=True, detail=detail or ())
-
-    def run_plan(self, plan: Plan) -> list[ActionOutcome]:
-        """Run one plan here and now by its strategy (tools and tests; the agent's
-        loop hands plans to its workers instead: host/worker.py)."""
-        from nodeagent.host.worker import execute_plan
-
-        return execute_plan(plan, self.perform)[0]
 
 
 def kmsg_reader(path: str = "/dev/kmsg", keep: int = 8) -> KernelLog:

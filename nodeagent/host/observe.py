@@ -24,11 +24,11 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
-from nodeagent.config import Config
 from nodeagent.core.names import is_decimal, is_module_name, normalize_module_name
 from nodeagent.core.needs import DiskNeed, Needs
+from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import (
     DiskModule,
     FileLock,
@@ -78,6 +78,14 @@ class Readers:
     sriov: SriovReader = no_sriov
 
 
+class HasPaths(Protocol):
+    """What the observer reads of the configuration: its paths (``Config`` has them; the
+    host layer does not import the configuration)."""
+
+    @property
+    def paths(self) -> HostPaths: ...
+
+
 INITSTATES = ("live", "coming", "going")
 _SRCVERSION = re.compile(r"[0-9A-Fa-f]{1,64}")
 
@@ -86,7 +94,7 @@ class Observer:
     def __init__(
         self,
         host: HostRoot,
-        cfg: Config,
+        cfg: HasPaths,
         needs: Needs | None = None,
         readers: Readers | None = None,
     ) -> None:

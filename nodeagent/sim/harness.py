@@ -37,6 +37,7 @@ from typing import Any
 from nodeagent.agent import Agent, PassResult, build_reconciler
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.guards.peermem_hold import PeermemHold
 from nodeagent.host.hold import HoldHost
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import WakePipe
@@ -138,6 +139,13 @@ class SimAgent:
 
     # The harness drives the agent through these.
     @property
+    def peermem_hold(self) -> PeermemHold:
+        """The peermem guard's host side: the fanotify hold (started or not)."""
+        side = self.agent.side("peermem")
+        assert isinstance(side, PeermemHold)
+        return side
+
+    @property
     def passes(self) -> int:
         return self.agent.passes
 
@@ -183,12 +191,12 @@ class AgentHarness:
         self._seen = self.node.world_version()
 
     def _process_started(self, _proc: object) -> None:
-        scanner = self.agent.agent.hold_containers
+        scanner = self.agent.peermem_hold.containers
         if scanner is not None:  # the next poll after the start is the one that sees it
             self.node.sched.call_later(scanner.interval_s, self._scan)
 
     def _scan(self) -> None:
-        scanner = self.agent.agent.hold_containers
+        scanner = self.agent.peermem_hold.containers
         if scanner is None:
             return
         before = scanner.reported
@@ -199,7 +207,7 @@ class AgentHarness:
     def _step_hold(self) -> bool:
         """The responder's round: events read and answered, held opens let go; whether it
         did anything."""
-        hold = self.agent.agent.hold
+        hold = self.agent.peermem_hold.hold
         if hold is None:
             return False
         before, unread = hold.reported, self._hold_unread()

@@ -695,7 +695,7 @@ def run_scenario(
             events.sort(key=lambda e: e.t)  # stable: same-time lines keep their order
             verdict = _verdict(node, watcher.cast, watcher, missing)
             if harness is not None and deployment.hold:
-                hold = harness.agent.agent.hold
+                hold = harness.agent.peermem_hold.hold
                 still = hold.held() if hold is not None else []
                 verdict = replace(verdict, held_opens=_held_opens(node, records, still))
             if agent:

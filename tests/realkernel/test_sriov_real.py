@@ -27,10 +27,11 @@ from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.actions import RestoreVf
 from nodeagent.core.sriov import SriovMemory, SriovPolicy
-from nodeagent.host.act import Actuator
+from nodeagent.host.act import EXECUTORS, Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import default_module_ops
 from nodeagent.host.netlink import PyrouteOps
+from nodeagent.host.sriov_act import SriovExecutor
 
 from ..waiting import until
 
@@ -194,7 +195,8 @@ def test_a_field_the_driver_lacks_is_unsupported_not_an_error() -> None:
             ops.set_vf(pf_if, 0, {"link_state": "enable"})
         assert err.value.errno == errno.EOPNOTSUPP  # igb has no ndo_set_vf_link_state
         host = HostRoot("/")
-        act = Actuator(host, default_module_ops(), lambda _m: [], sriov_ops=ops)
+        sriov = (lambda hands: SriovExecutor(hands.host, ops),)
+        act = Actuator(host, default_module_ops(), lambda _m: [], executors=(*EXECUTORS, *sriov))
         out = act.perform(
             RestoreVf(
                 "sriov",

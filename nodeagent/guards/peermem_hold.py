@@ -1,0 +1,172 @@
+"""The peermem guard's host side: the fanotify hold of anyone's ``nvidia-peermem`` load.
+
+With ``[peermem] hold_loads = "fanotify"`` in enforce mode, the hold marks
+the filesystems of ``hold_roots`` (and the driver containers' roots as they
+start) before the first pass, and holds every open of the peermem module file
+there until the guard's gate opens. It follows the gate the loop published:
+closed in the protective step of a pass whose verdict is not ok, open at the
+end of a pass that published the gate, or whose verdict says no wait can help
+(``release_held``: a load the kernel refuses either way). What it held is
+recorded at the end of every pass and at stop. See docs/design.md, "The hold".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from nodeagent.core.guard import Verdict
+from nodeagent.guards.side import GuardSide, SideContext
+
+if TYPE_CHECKING:
+    from nodeagent.host.containers import RootScanner
+    from nodeagent.host.hold import Responder
+
+log = logging.getLogger("nodeagent")
+
+
+class PeermemHold(GuardSide):
+    status_key = "hold"
+
+    def __init__(self, ctx: SideContext) -> None:
+        super().__init__(ctx)
+        self.hold: Responder | None = None
+        self.marked: list[str] = []
+        self.containers: RootScanner | None = None  # driver containers' roots, as they start
+        self.since: float | None = None
+        self.gate_open = False  # what the responder reads: never a file, never a lock
+
+    # -- the loop's hooks -------------------------------------------------------
+
+    def start(self) -> None:
+        """Mark the filesystems of hold_roots and start the responder (before the first pass)."""
+        # Imported here: a tool that never holds (``check``) loads no fanotify or /proc code.
+        from nodeagent.host.containers import RootScanner
+        from nodeagent.host.fanotify import FanotifyGroup
+        from nodeagent.host.hold import HoldHost, start_hold
+
+        pol, ctx = self.ctx.policy, self.ctx
+        if not ctx.enforce or pol.hold_loads != "fanotify":
+            return
+        host = ctx.ports.hold_host or HoldHost(group=FanotifyGroup)
+        try:
+            group = host.group()
+        except OSError as exc:
+            log.warning("peermem.hold_loads: %s", exc)
+            ctx.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
+            return
+        roots = [(r, str(ctx.host.path(r))) for r in pol.hold_roots]
+        self.hold, self.marked, problems = start_hold(
+            group,
+            group.mark_filesystem,
+            roots,
+            gate_open=lambda: self.gate_open,
+            budget_s=pol.hold_budget_s,
+            host_pids=host.host_pids(),
+            containers=bool(pol.hold_containers),
+            on_report=lambda: ctx.wake("held open ended"),  # a pipe write
+            host=host,
+        )
+        for p in problems:
+            log.warning(p)
+            ctx.record({"kind": "state-problem", "problem": p})
+        if self.hold is None:
+            return
+        self.since = ctx.clock()
+        ctx.record(
+            {
+                "kind": "hold-started",
+                "marked": self.marked,
+                "containers": list(pol.hold_containers),
+            }
+        )
+        if pol.hold_containers:
+            self.containers = RootScanner(
+                group.mark_filesystem,
+                group.marked_devices,
+                pol.hold_containers,
+                interval_s=pol.hold_scan_s,
+                on_report=lambda: ctx.wake("container root"),
+                proc=host.proc,
+                dev_of=host.dev_of,
+                fs_type=host.fs_type,
+                clock=host.clock,
+            )
+            if host.threaded:
+                self.containers.start()
+            else:
+                self.containers.prepare()
+
+    def protect(self, verdict: Verdict) -> None:
+        if not verdict.ok:
+            self._follow(False)
+
+    def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
+        """A held load goes on only when ``wait`` would, or when the guard says no wait can
+        help (a load the kernel refuses either way)."""
+        release = bool(verdict.evidence.get("release_held")) and vouches()
+        self._follow(published or release)
+        self._record_holds()
+
+    def status(self) -> Any:
+        if self.hold is None:
+            return None
+        return {
+            "marked": self.marked,
+            "since": self.since,
+            "gate_open": self.gate_open,
+            "held": [
+                {"pid": p, "opener": o, "path": f, "seconds": round(t, 3)}
+                for p, o, f, t in self.hold.held()
+            ],
+            "counts": dict(self.hold.counts),
+            "container_roots": [
+                {
+                    "dev": r.dev_text(),
+                    "pid": r.pid,
+                    "rule": r.rule,
+                    "command": r.command,
+                    "noticed_ms": round(r.noticed_s * 1000, 1),
+                }
+                for r in (self.containers.roots() if self.containers else [])
+            ],
+        }
+
+    def telemetry(self) -> Sequence[Any]:
+        return ()
+
+    def stop(self) -> None:
+        if self.containers is not None:
+            self.containers.stop()
+        if self.hold is not None:
+            self.hold.stop()  # every held open is allowed and reported
+            self._record_holds()
+
+    # -- its own --------------------------------------------------------------
+
+    def _follow(self, is_open: bool) -> None:
+        if self.hold is not None and is_open != self.gate_open:
+            self.gate_open = is_open
+            self.hold.wake()
+
+    def _record_holds(self) -> None:
+        """Every held open that ended since the last pass, as a timeline record."""
+        if self.hold is None:
+            return
+        scanner = self.containers
+        while scanner is not None and scanner.reports:
+            self.ctx.record(scanner.reports.popleft())
+        while self.hold.reports:
+            r = self.hold.reports.popleft()
+            self.ctx.record(
+                {
+                    "kind": "held-open",
+                    "guard": self.ctx.name,
+                    "pid": r.pid,
+                    "opener": r.opener,
+                    "path": r.path,
+                    "seconds": round(r.seconds, 3),
+                    "ended": r.ended,
+                }
+            )

@@ -1,0 +1,102 @@
+"""A guard's host side: what the loop runs for a guard besides its pure decision.
+
+A guard decides in ``core/<name>.py`` and never touches the node. Most need
+nothing more: the observer reads what they declare (``needs()``), the shared
+executors carry out module and file actions, and the loop publishes their
+gate. A guard that needs more from the node brings it here, through one
+``GuardSide`` named in its registry entry (``guards/registry.py``):
+
+- ``readers()``: facts the observer cannot read by itself (SR-IOV over
+  netlink), by ``Readers`` field;
+- ``executors()``: actions of its own kinds (a VF restore);
+- ``start()`` before the first pass, ``stop()`` before the stop actions,
+  ``close()`` last;
+- ``protect(verdict)``: the protective step of every pass, right after the
+  closed gates' files are withdrawn (``loop/passes.py``, rule 3);
+- ``after_memory(memory)``: bookkeeping that follows the saved memory (a
+  snapshot file), before the status is written (rule 6);
+- ``after_publish(verdict, published, vouches)``: what follows the gate, at the
+  end of the pass (rule 8);
+- ``status()``: its part of ``status.json`` under ``status_key``;
+- ``telemetry()``: its record-fed metric families.
+
+The loop calls every hook of every side the same way and names no guard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nodeagent.core.guard import Verdict
+from nodeagent.core.paths import HostPaths
+from nodeagent.core.reconcile import AgentMemory
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.ports import HostPorts
+
+if TYPE_CHECKING:
+    from nodeagent.host.act import Executor, NodeHands
+
+
+@dataclass(frozen=True)
+class SideContext:
+    """What the loop lends a guard's host side."""
+
+    name: str  # the guard's
+    policy: Any  # its configured policy
+    paths: HostPaths
+    enforce: bool  # the agent acts (else it only observes)
+    host: HostRoot
+    ports: HostPorts
+    clock: Callable[[], float]  # the loop's schedule clock
+    record: Callable[[dict[str, Any]], None]  # a timeline record
+    wake: Callable[[str], None]  # wake the loop (a pipe write: safe from any thread)
+    # A bookkeeping failure of this pass: (what, the exception, may the pass still vouch).
+    failed: Callable[[str, Exception, bool], None]
+    read_only: bool = False  # ``nodeagent check``: read, never write or move a file
+
+
+class GuardSide:
+    """The defaults do nothing: a side overrides only what its guard needs."""
+
+    status_key: str | None = None  # its part of status.json, if any
+
+    def __init__(self, ctx: SideContext) -> None:
+        self.ctx = ctx
+
+    def readers(self) -> Mapping[str, Callable[[], Any]]:
+        return {}
+
+    def executors(self) -> Sequence[Callable[[NodeHands], Executor]]:
+        return ()
+
+    def start(self) -> None:
+        """Before the first pass of ``run``."""
+
+    def protect(self, verdict: Verdict) -> None:
+        """The protective step: right after closed gates' files are withdrawn."""
+
+    def after_memory(self, memory: AgentMemory) -> None:
+        """After the pass's memory is saved, before its status."""
+
+    def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
+        """Last in the pass: ``published``, this guard's gate file was written open now;
+        ``vouches()``, the pass's bookkeeping held and nothing changed since it observed."""
+
+    def status(self) -> Any:
+        return None
+
+    def telemetry(self) -> Sequence[Any]:
+        """Record-fed metric parts (``nodeagent/metrics.py``)."""
+        return ()
+
+    def stop(self) -> None:
+        """At stop, before the guards' stop actions run."""
+
+    def close(self) -> None:
+        """Last at stop: release what the side holds (sockets)."""
+
+
+# How an entry makes its side; None in the entry: the guard needs no host side.
+SideFactory = Callable[[SideContext], GuardSide]

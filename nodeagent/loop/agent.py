@@ -1,0 +1,225 @@
+"""The run loop: wake -> pass -> wait, its wake sources, and the stop order.
+
+Level-triggered: a wake-up only says "look again"; each pass reads the whole
+node, so a missed event, an agent restart or a crash costs one pass. What a
+pass does, in what order, is ``passes.py``; when the next one comes is its
+``WakeSchedule``; what the agent is built from is ``wiring.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from nodeagent.config import Config
+from nodeagent.core.actions import ActionOutcome
+from nodeagent.core.reconcile import AgentMemory
+from nodeagent.guards.side import GuardSide
+from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, pending
+from nodeagent.host.fs import HostRoot
+from nodeagent.loop.passes import Passes, PassResult, WakeSchedule
+from nodeagent.loop.records import action_record
+
+log = logging.getLogger("nodeagent")
+
+# At stop, steps in flight get this long to end before the stop actions run (SIGTERM's
+# grace is 1.5 s: host/events.py, StopOnSignal).
+STOP_WAIT_S = 1.0
+
+
+def any_pending(sources: Sequence[WakeSource], poke: Poke) -> bool:
+    """Did anything that wakes the loop arrive since the last pass drained its sources?
+    (Before ``run`` has its sources, only the poke can.)"""
+    try:
+        return pending(sources or [poke])
+    except (OSError, ValueError):  # a source closed under us: assume the worst
+        return True
+
+
+class Agent:
+    """Built by ``wiring.build_agent``; ``nodeagent/agent.py`` builds one from keywords."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        passes: Passes,
+        *,
+        host: HostRoot,
+        poke: Poke,
+        plans_ended: Poke,
+        wake_sources: Sequence[WakeSource],
+        watched: list[WakeSource],
+    ) -> None:
+        self.cfg = cfg
+        self.pass_runner = passes
+        self.host = host
+        self.poke = poke
+        # A worker's plan ended: wakes the loop to absorb it. Not a node event: its effects
+        # on the node arrive as inotify or uevents of their own.
+        self.plans_ended = plans_ended
+        self.extra_sources = list(wake_sources)
+        # What may wake the loop; anything pending here after a pass's observation makes
+        # that pass's decision stale (run() fills it: inotify, uevents, the extra sources).
+        self.watched = watched
+        self.stopping = threading.Event()
+        # The pass's collaborators, named here for the run loop, tests and tools.
+        self.clock = passes.clock
+        self.reconciler = passes.reconciler
+        self.observer = passes.observer
+        self.workers = passes.workers
+        self.books = passes.books
+        self.gates = passes.gates
+        self.sides = passes.sides
+        self.publishers = passes.publishers
+        self.pass_context = passes.pass_context
+
+    # -- what tests, tools and the simulator read -------------------------------
+
+    @property
+    def memory(self) -> AgentMemory:
+        return self.pass_runner.memory
+
+    @property
+    def passes(self) -> int:
+        return self.pass_runner.count
+
+    def side(self, name: str) -> GuardSide | None:
+        """A guard's host side (``guards/side.py``), if it has one."""
+        return self.sides.get(name)
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.books.record(rec)
+
+    def watched_dirs(self) -> list[str]:
+        """Derived from the guards' declared needs (marker files' parents, listed dirs)."""
+        return self.observer.needs.watch_dirs()
+
+    def wait_for_passes(self, count: int, timeout: float) -> bool:
+        """Block until at least ``count`` passes have completed (for tests and the simulator)."""
+        return self.pass_runner.wait_for(count, timeout)
+
+    # -- passes -------------------------------------------------------------------
+
+    def run_pass(self, woken_by: Sequence[str] = ()) -> PassResult:
+        return self.pass_runner.run(woken_by)
+
+    def renew_leases(self) -> None:
+        self.gates.renew(self.books.can_vouch)
+
+    def run_once(self, woken_by: Sequence[str] = ("once",)) -> PassResult:
+        """One pass, its plans carried out and their outcomes recorded (``run --once``);
+        the result carries those outcomes."""
+        result = self.run_pass(woken_by)
+        done = self.finish_plans(self.cfg.step_timeout_seconds + 1.0)
+        return replace(result, outcomes=(*result.outcomes, *done))
+
+    def finish_plans(self, timeout: float) -> list[ActionOutcome]:
+        """Wait up to ``timeout`` for the workers, then absorb what they finished."""
+        self.workers.wait_idle(timeout)
+        with self.pass_context():
+            return self.pass_runner.absorb_finished()
+
+    # -- the loop -------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.poke.poke("stop")
+
+    def close(self) -> None:
+        """Release an agent driven by ``run_pass`` (``run`` releases its own at the end)."""
+        self.workers.close(0.0)
+        self.poke.close()
+        self.plans_ended.close()
+
+    def run(self, once: bool = False) -> None:
+        self._remove_orphaned_temps()
+        if once:
+            self.run_once()
+            return
+        root = self.host.root
+        watch = FileWatch(root, [self.host.path(d) for d in self.watched_dirs()])
+        sources: list[WakeSource] = [self.poke, watch, *self.extra_sources]
+        if self.cfg.uevents:
+            try:
+                sources.append(UeventSource())
+            except Exception as exc:  # no libudev, no netlink permission: inotify + resync remain
+                log.warning("kernel uevents unavailable (%s); relying on inotify and resync", exc)
+        waker = Waker([*sources, self.plans_ended])
+        self.watched[:] = sources
+        self.record({"kind": "start", "mode": self.cfg.mode, "host_root": str(root)})
+        for side in self.sides.values():
+            side.start()  # before the first pass: its decision opens or keeps closed
+        try:
+            self._loop(waker, watch)
+        finally:
+            self._stop(watch)
+
+    def _loop(self, waker: Waker, watch: FileWatch) -> None:
+        woken_by = ["start"]
+        schedule = WakeSchedule(self.clock(), self.cfg.resync_seconds)
+        while not self.stopping.is_set():
+            try:
+                schedule.passed(self.run_pass(woken_by).wake_at)
+                watch.refresh()
+            except Exception as exc:  # one bad pass must not take the node's agent down
+                log.exception("pass failed: %s", exc)
+                self.record({"kind": "pass-error", "error": f"{type(exc).__name__}: {exc}"})
+                schedule.failed(self.clock())
+            now = self.clock()
+            schedule.after(now)
+            # Between passes the loop beats every RENEW_S while a gate is open, a withdrawal
+            # failed or a publisher keeps a heartbeat: the lease proves the loop, not a thread.
+            while True:
+                beat = self.gates.needs_beat() or any(p.needs_beat for p in self.publishers)
+                deadline, wait = schedule.next_wake(now, beat)
+                woken_by = waker.wait(wait)
+                now = self.clock()
+                if woken_by or self.stopping.is_set() or now >= deadline:
+                    break
+                with self.pass_context():
+                    self.renew_leases()
+                    for p in self.publishers:
+                        if p.needs_beat:
+                            p.beat()
+
+    def _stop(self, watch: FileWatch) -> None:
+        """The stop order: sides let go (every held open allowed), the watch closes, the
+        guards' stop actions run, publishers withdraw, sides release, then the last record."""
+        for side in self.sides.values():
+            side.stop()
+        watch.close()
+        self._stop_actions()
+        for p in self.publishers:
+            p.stop()  # a stale "ok" label is worse than none; no heartbeat reads Unknown
+        for side in self.sides.values():
+            side.close()
+        self.record({"kind": "stop"})
+        self.poke.close()
+        self.plans_ended.close()
+
+    def _stop_actions(self) -> None:
+        """What guards undo when the agent stops (e.g. a hold file), enforce mode only.
+
+        Workers start nothing new; what they finished reaches memory first, so the
+        stop actions and the next agent know what was done.
+        """
+        if not self.workers.close(STOP_WAIT_S):
+            log.warning("steps still running at stop: %s", self.workers.in_flight())
+        self.pass_runner.absorb_finished()
+        if self.cfg.mode != "enforce":
+            return
+        for plan in self.reconciler.on_stop(self.memory).values():
+            for o in self.workers.run_now(plan):
+                self.record(action_record(o))
+
+    def _remove_orphaned_temps(self) -> None:
+        """What a killed write left behind (``write_atomic``'s temp files) in the agent's own
+        directories; ``run`` holds the single-agent lock, so no live writer's file goes."""
+        paths = self.cfg.paths
+        for d in {paths.state_dir, paths.timeline_dir, paths.sriov_snapshot.rpartition("/")[0]}:
+            removed = self.host.remove_orphaned_temps(d) if d else []
+            if removed:
+                log.info("removed what killed writes left in %s: %s", d, removed)

@@ -1,0 +1,308 @@
+"""One pass, and when the next one comes: every ordering rule of the loop is here.
+
+A pass is observe -> decide -> act -> record. Its order is the product's
+safety, and it is decided here and nowhere else:
+
+1. **Outcomes first.** What the workers finished since the last pass reaches
+   guard memory before anything is observed; it is kept even if this pass
+   fails further on, and recorded after the protective steps (rule 5).
+2. **Observe, then decide**, once: the whole node as the guards declared it,
+   every guard from the same snapshot.
+3. **Protective first.** A closed gate's file is withdrawn, each guard's host
+   side takes its protective step (the hold closes), and an urgent plan
+   starts, before memory, status, timeline, any other plan or exporter
+   (``host/gatefile.py``: the order).
+4. **Write-ahead.** What the pass learned (e.g. "a MOFED restart was seen,
+   that flag is stale") is on disk before any other plan starts, so dying
+   mid-action loses nothing. Then the other plans go to the workers, never
+   joined (observe mode: they are recorded as not performed).
+5. **Record** what the workers did, in the order it happened, then this
+   pass's decisions: each guard's, when any verdict or action changed or an
+   event happened; an undone observe-mode action once, not per pass.
+6. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
+   publishers (labels, NPD), the status. A failure of memory or status means
+   the pass vouches for no open gate.
+7. **Publish last**, and only from a pass whose bookkeeping held: a gate file
+   says "a recent, completed pass decided open". An event since the
+   observation makes the decision stale: it vouches for nothing (an open file
+   of an earlier pass goes too), and the next pass, at once since the event
+   is pending, decides again. Freshness is asked again between the gate
+   file's fsync and its rename.
+8. **What follows the gate follows the published gate**: each host side's
+   ``after_publish`` (the hold lets a held load go only when ``wait`` would).
+9. **Fail closed.** A pass that raises vouches for no gate: every gate file
+   is withdrawn (``Passes.run``).
+
+When the loop wakes next is ``WakeSchedule``: a guard's ``wake_at``, the
+resync, the retry of a failed pass and the heartbeat of the leases.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nodeagent.core.actions import ActionOutcome
+from nodeagent.core.guard import Verdict
+from nodeagent.core.reconcile import AgentMemory, Reconciler
+from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.guards.side import GuardSide
+from nodeagent.host.gatefile import RENEW_S
+from nodeagent.host.observe import Observer
+from nodeagent.loop.gates import Gates
+from nodeagent.loop.records import Bookkeeping, action_record, status_document
+from nodeagent.loop.workers import FinishedPlan, PlanWorkers
+
+# A failed pass is tried again this soon (or at the resync, if that is sooner).
+PASS_RETRY_S = 5.0
+
+
+@dataclass(frozen=True)
+class PassResult:
+    snapshot: NodeSnapshot
+    verdicts: dict[str, Verdict]
+    outcomes: tuple[ActionOutcome, ...]
+    wake_at: float | None
+    # For the exporters: what woke this pass and when it began (agent clock); each
+    # performed outcome carries when it finished and how long it took.
+    woken_by: tuple[str, ...] = ()
+    started: float = 0.0
+
+
+class Publisher(Protocol):
+    """Something published from every pass's verdicts for the cluster to read (labels,
+    NPD's files): never held against a gate, its problem shown in the pass's status."""
+
+    needs_beat: bool  # renewed between passes, with the leases
+
+    def publish(self, verdicts: Mapping[str, Verdict]) -> str | None: ...
+
+    def beat(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Passes:
+    def __init__(
+        self,
+        *,
+        enforce: bool,
+        mode: str,
+        resync_seconds: float,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+        reconciler: Reconciler,
+        observer: Observer,
+        workers: PlanWorkers,
+        books: Bookkeeping,
+        gates: Gates,
+        sides: Mapping[str, GuardSide],
+        publishers: Sequence[Publisher],
+        memory: AgentMemory,
+        pass_context: Callable[[], AbstractContextManager[object]],
+        on_pass: Callable[[PassResult | None, Exception | None], None] | None,
+    ) -> None:
+        self.enforce = enforce
+        self.mode = mode
+        self.resync_seconds = resync_seconds
+        self.clock = clock
+        self.wall = wall
+        self.reconciler = reconciler
+        self.observer = observer
+        self.workers = workers
+        self.books = books
+        self.gates = gates
+        self.sides = sides
+        self.publishers = list(publishers)
+        self.memory = memory
+        self.pass_context = pass_context
+        self.on_pass = on_pass
+        self._last_signature: Any = None
+        self.count = 0
+        self._done = threading.Condition()
+
+    def run(self, woken_by: Sequence[str] = ()) -> PassResult:
+        with self.pass_context():
+            try:
+                result = self._pass(woken_by)
+                if not self.workers.threaded:
+                    self.workers.run_pending()
+            except BaseException as exc:
+                self.gates.withdraw(self.reconciler.gates)  # rule 9
+                if self.on_pass is not None and isinstance(exc, Exception):
+                    self.on_pass(None, exc)
+                raise
+            if self.on_pass is not None:
+                self.on_pass(result, None)
+            return result
+
+    def _pass(self, woken_by: Sequence[str]) -> PassResult:
+        now = self.clock()
+        books = self.books
+        books.begin_pass()
+        # 1. Outcomes first.
+        finished, outcomes = self.take_finished(now)
+        # 2. Observe, then decide.
+        snap = self.observer.observe(now)
+        rec = self.reconciler.decide(snap, self.memory)
+        # 3. Protective first.
+        books.problems += self.gates.withdraw(
+            [g for g in self.reconciler.gates if not rec.verdicts[g].ok]
+        )
+        for name, side in self.sides.items():
+            if name in rec.verdicts:
+                side.protect(rec.verdicts[name])
+        if self.enforce:
+            self.workers.submit(rec.plans, only_urgent=True, decided_at=now)
+        # 4. Write-ahead, then the other plans.
+        memory = rec.memory
+        books.save_memory(memory)
+        planned: list[ActionOutcome] = []
+        if self.enforce:
+            self.workers.submit(rec.plans, decided_at=now)  # to the workers: never joined
+        else:
+            planned = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
+            memory = self.reconciler.absorb(memory, planned, self.clock())
+        # 5. Record: what the workers did, then this pass's decisions.
+        books.record_finished(finished)
+        signature = (
+            tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
+            tuple(a.describe() for a in rec.actions),
+        )
+        changed = signature != self._last_signature
+        if changed or rec.events:
+            for guard, verdict in rec.verdicts.items():
+                books.record(
+                    {
+                        "kind": "decision",
+                        "guard": guard,
+                        "verdict": verdict.verdict,
+                        "ok": verdict.ok,
+                        "gate": guard in self.reconciler.gates,
+                        "reasons": list(verdict.reasons),
+                        "events": [e for g, e in rec.events if g == guard],
+                        "actions": [a.describe() for a in rec.actions if a.guard == guard],
+                        "mode": self.mode,
+                        "woken_by": list(woken_by)[:8],
+                        "kernel": snap.kernel,
+                        "evidence": verdict.evidence,
+                    }
+                )
+            self._last_signature = signature
+        if changed:  # observe mode: the same undone action is recorded once, not per pass
+            for o in planned:
+                books.record(action_record(o))
+        outcomes += planned
+        # 6. Bookkeeping.
+        self.memory = memory
+        books.save_memory(memory)
+        for side in self.sides.values():
+            side.after_memory(memory)
+        for publisher in self.publishers:  # a record for the cluster: never held against a gate
+            problem = publisher.publish(rec.verdicts)
+            if problem is not None:
+                books.problem(problem)
+        books.write_status(self.status(snap, rec.verdicts, outcomes))
+
+        # 7. Publish last.
+        def fresh() -> bool:
+            return self.gates.fresh(snap)
+
+        published = self.gates.settle(
+            snap, [g for g in self.reconciler.gates if rec.verdicts[g].ok], books.can_vouch, fresh
+        )
+
+        # 8. What follows the gate follows the published gate.
+        def vouches() -> bool:
+            return books.can_vouch and fresh()
+
+        for name, side in self.sides.items():
+            if name in rec.verdicts:
+                side.after_publish(rec.verdicts[name], name in published, vouches)
+        with self._done:
+            self.count += 1
+            self._done.notify_all()
+        return PassResult(
+            snap,
+            dict(rec.verdicts),
+            tuple(outcomes),
+            rec.wake_at,
+            woken_by=tuple(woken_by),
+            started=now,
+        )
+
+    def status(
+        self,
+        snap: NodeSnapshot,
+        verdicts: Mapping[str, Verdict],
+        outcomes: Sequence[ActionOutcome],
+    ) -> dict[str, Any]:
+        return status_document(
+            wall=self.wall,
+            mode=self.mode,
+            resync_seconds=self.resync_seconds,
+            snap=snap,
+            verdicts=verdicts,
+            outcomes=outcomes,
+            problems=self.books.problems,
+            workers=self.workers,
+            parts={s.status_key: s.status() for s in self.sides.values() if s.status_key},
+        )
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        with self._done:
+            return self._done.wait_for(lambda: self.count >= count, timeout)
+
+    # -- what the workers finished ------------------------------------------------
+
+    def take_finished(self, now: float) -> tuple[list[FinishedPlan], list[ActionOutcome]]:
+        """What the workers finished, absorbed into guard memory; (plans, their outcomes)."""
+        finished = self.workers.take_finished()
+        outcomes = [o for f in finished for o in f.outcomes]
+        if outcomes:
+            self.memory = self.reconciler.absorb(self.memory, outcomes, now)
+        return finished, outcomes
+
+    def absorb_finished(self) -> list[ActionOutcome]:
+        """Outcomes the workers handed back outside a pass (``--once``, stop) reach memory."""
+        finished, outcomes = self.take_finished(self.clock())
+        if outcomes:
+            self.books.record_finished(finished)
+            self.books.save_memory(self.memory)
+        return outcomes
+
+
+class WakeSchedule:
+    """When the loop wakes next: the one place that says it.
+
+    A pass is due at the earliest of a guard's ``wake_at`` (a retry backoff, a
+    deadline) and the resync; a failed pass is tried again within
+    ``PASS_RETRY_S``. Until then the loop waits for an event, waking every
+    ``RENEW_S`` to beat while there is a lease to renew, a withdrawal to retry
+    or a heartbeat to write.
+    """
+
+    def __init__(self, now: float, resync_s: float) -> None:
+        self.resync_s = resync_s
+        self.resync_at = now + resync_s
+        self.wake_at: float | None = None
+
+    def passed(self, wake_at: float | None) -> None:
+        self.wake_at = wake_at
+
+    def failed(self, at: float) -> None:
+        self.wake_at = at + min(PASS_RETRY_S, self.resync_s)
+
+    def after(self, now: float) -> None:
+        """A pass (or its failure) is behind us: a resync that came due is rescheduled."""
+        if now >= self.resync_at:
+            self.resync_at = now + self.resync_s
+
+    def next_wake(self, now: float, beat: bool) -> tuple[float, float]:
+        """(when a pass is due, how long to wait for an event before looking again)."""
+        deadline = self.resync_at if self.wake_at is None else min(self.resync_at, self.wake_at)
+        wait = max(0.0, deadline - now)
+        return deadline, (min(wait, RENEW_S) if beat else wait)
