@@ -76,8 +76,9 @@ class Guard(Protocol[M]):
     def memory_from_json(self, data: Mapping[str, Any]) -> M:
         """Raise ValueError with a one-line reason when ``data`` is not valid memory.
 
-        Strict: every field of its JSON type, counts and times checked with
-        ``is_count``/``is_finite`` (a string "nan" or 1.5 failures is bad memory).
+        Strict: every field of its JSON type, read with a field table (core/fields.py),
+        counts and times checked with ``is_count``/``is_finite`` (a string "nan" or 1.5
+        failures is bad memory).
         """
         ...
 
@@ -90,24 +91,6 @@ def is_count(x: object) -> bool:
 def is_finite(x: object) -> bool:
     """A JSON time in saved memory: an int or float (not a bool), finite."""
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def count_field(data: Mapping[str, Any], key: str) -> int:
-    """``data[key]`` as a count (0 when absent); ValueError naming the key otherwise."""
-    value = data.get(key, 0)
-    if not is_count(value):
-        raise ValueError(f"{key} is {value!r}, not a count")
-    return int(value)
-
-
-def time_field(data: Mapping[str, Any], key: str) -> float | None:
-    """``data[key]`` as a finite time (None when absent); ValueError naming the key otherwise."""
-    value = data.get(key)
-    if value is None:
-        return None
-    if not is_finite(value):
-        raise ValueError(f"{key} is {value!r}, not a finite time")
-    return float(value)
 
 
 def backoff_delay(failures: int, base: float, cap: float) -> float:

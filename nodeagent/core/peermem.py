@@ -28,17 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nodeagent.core import policy as cfgval
+from nodeagent.core import fields
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.gpudirect import classify
-from nodeagent.core.guard import (
-    GuardDecision,
-    Verdict,
-    backoff_delay,
-    count_field,
-    is_count,
-    time_field,
-)
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES, parse_rules
 from nodeagent.core.identity import (
     abi_mismatches,
@@ -53,7 +46,6 @@ from nodeagent.core.mofed import (
     restart_signals,
     track_restart,
 )
-from nodeagent.core.names import validate_module_param
 from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import FileId, NodeSnapshot
@@ -90,65 +82,31 @@ class PeermemPolicy:
 HOLD_MODES = ("off", "fanotify")
 
 
+def _container_rules(where: str, value: Any) -> tuple[str, ...]:
+    """Command rules (core/hold.py); an empty list marks no container root."""
+    if not isinstance(value, list):
+        raise NodeagentError(f"config {where}: expected a list of command rules, got {value!r}")
+    return () if value == [] else parse_rules(where, value)
+
+
+# [peermem]: one row a policy field, in the order they are checked.
+POLICY_FIELDS: tuple[fields.Setting, ...] = (
+    fields.Setting("mofed", "mofed", fields.one_of(MOFED_MODES)),
+    fields.Setting("load_params", "load_params", fields.params),
+    fields.Setting("retry_base_seconds", "retry_base_s", fields.number(0.01, 3600)),
+    fields.Setting("retry_max_seconds", "retry_max_s", fields.number(0.01, 86400)),
+    fields.Setting("rdma_stack", "rdma_stack", fields.modules),
+    fields.Setting("hold_loads", "hold_loads", fields.one_of(HOLD_MODES)),
+    fields.Setting("hold_budget_seconds", "hold_budget_s", fields.number(1, 1190)),
+    fields.Setting("hold_roots", "hold_roots", fields.paths),
+    fields.Setting("hold_containers", "hold_containers", _container_rules),
+    fields.Setting("hold_scan_seconds", "hold_scan_s", fields.number(0.01, 10)),
+)
+
+
 def parse_policy(table: Mapping[str, Any], pol: PeermemPolicy) -> PeermemPolicy:
     """``[peermem]`` of the config file over ``pol``; NodeagentError naming a bad value."""
-    cfgval.reject_unknown(
-        "peermem",
-        table,
-        {
-            "mofed",
-            "load_params",
-            "retry_base_seconds",
-            "retry_max_seconds",
-            "rdma_stack",
-            "hold_loads",
-            "hold_budget_seconds",
-            "hold_roots",
-            "hold_containers",
-            "hold_scan_seconds",
-        },
-    )
-    if "mofed" in table:
-        mode = cfgval.choice("peermem.mofed", table["mofed"], MOFED_MODES)
-        pol = replace(pol, mofed="host" if mode == "host" else "container")
-    if "load_params" in table:
-        params = table["load_params"]
-        if not isinstance(params, list):
-            raise NodeagentError("config peermem.load_params: expected a list of key=value strings")
-        try:
-            pol = replace(pol, load_params=tuple(validate_module_param(x) for x in params))
-        except NodeagentError as exc:
-            raise NodeagentError(f"config peermem.load_params: {exc}") from None
-    if "retry_base_seconds" in table:
-        base = cfgval.number("peermem.retry_base_seconds", table["retry_base_seconds"], 0.01, 3600)
-        pol = replace(pol, retry_base_s=base)
-    if "retry_max_seconds" in table:
-        cap = cfgval.number("peermem.retry_max_seconds", table["retry_max_seconds"], 0.01, 86400)
-        pol = replace(pol, retry_max_s=cap)
-    if "rdma_stack" in table:
-        pol = replace(pol, rdma_stack=cfgval.module_list("peermem.rdma_stack", table["rdma_stack"]))
-    if "hold_loads" in table:
-        pol = replace(
-            pol, hold_loads=cfgval.choice("peermem.hold_loads", table["hold_loads"], HOLD_MODES)
-        )
-    if "hold_budget_seconds" in table:
-        budget = cfgval.number("peermem.hold_budget_seconds", table["hold_budget_seconds"], 1, 1190)
-        pol = replace(pol, hold_budget_s=budget)
-    if "hold_roots" in table:
-        roots = table["hold_roots"]
-        if not isinstance(roots, list):
-            raise NodeagentError("config peermem.hold_roots: expected a list of paths")
-        pol = replace(
-            pol, hold_roots=tuple(cfgval.check_relpath("peermem.hold_roots", r) for r in roots)
-        )
-    if "hold_containers" in table:
-        value = table["hold_containers"]
-        rules = () if value == [] else parse_rules("peermem.hold_containers", value)
-        pol = replace(pol, hold_containers=rules)
-    if "hold_scan_seconds" in table:
-        scan = cfgval.number("peermem.hold_scan_seconds", table["hold_scan_seconds"], 0.01, 10)
-        pol = replace(pol, hold_scan_s=scan)
-    return pol
+    return fields.apply_settings("peermem", table, POLICY_FIELDS, pol)
 
 
 @dataclass(frozen=True)
@@ -287,35 +245,7 @@ class PeermemGate:
     def memory_from_json(self, data: Mapping[str, Any]) -> PeermemMemory:
         """Strict: every field of the right JSON type, numbers finite (ValueError otherwise)."""
         try:
-            unknown = set(data) - _MEMORY_FIELDS
-            if unknown:
-                raise ValueError(f"unknown field {sorted(unknown)[0]!r}")
-            pending = data.get("restart_pending", False)
-            if not isinstance(pending, bool):
-                raise ValueError("restart_pending is not a boolean")
-            stale = data.get("stale_flag")
-            if stale is not None:
-                if not (
-                    isinstance(stale, list) and len(stale) == 3 and all(is_count(x) for x in stale)
-                ):
-                    raise ValueError("stale_flag is not [inode, mtime_ns, ctime_ns]")
-                stale = FileId(*stale)
-            failures = count_field(data, "failures")
-            retry_at = time_field(data, "retry_at")
-            last_error = data.get("last_error")
-            if last_error is not None and not isinstance(last_error, str):
-                raise ValueError("last_error is not a string")
-            signals = data.get("last_signals", [])
-            if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
-                raise ValueError("last_signals is not a list of strings")
-            return PeermemMemory(
-                restart_pending=pending,
-                stale_flag=stale,
-                failures=failures,
-                retry_at=retry_at,
-                last_error=last_error,
-                last_signals=tuple(signals),
-            )
+            return PeermemMemory(**fields.read_record(data, MEMORY_FIELDS, reject_unknown=True))
         except ValueError as exc:
             raise ValueError(f"peermem memory is malformed: {exc}") from None
 
@@ -556,6 +486,22 @@ class PeermemGate:
         return replace(memory, failures=failures, retry_at=now + delay, last_error=error)
 
 
-_MEMORY_FIELDS = frozenset(
-    {"restart_pending", "stale_flag", "failures", "retry_at", "last_error", "last_signals"}
+# Saved memory (state.json): one row a PeermemMemory field, in the order they are checked;
+# an unknown field is refused.
+MEMORY_FIELDS: tuple[fields.Saved, ...] = (
+    fields.Saved("restart_pending", fields.BOOL, False),
+    fields.Saved(
+        "stale_flag",
+        fields.optional(
+            fields.Check(
+                "{key} is not [inode, mtime_ns, ctime_ns] (got {value})",
+                lambda x: isinstance(x, list) and len(x) == 3 and all(is_count(n) for n in x),
+                lambda x: FileId(*x),
+            )
+        ),
+    ),
+    fields.Saved("failures", fields.COUNT, 0),
+    fields.Saved("retry_at", fields.optional(fields.TIME)),
+    fields.Saved("last_error", fields.optional(fields.TEXT)),
+    fields.Saved("last_signals", fields.STRINGS, []),
 )

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from nodeagent.core import policy as cfgval
+from nodeagent.core import fields
 from nodeagent.core.actions import Action, ActionOutcome, RestoreVf, SetNumVfs
-from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count, is_finite
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
 from nodeagent.core.mofed import MOFED_MODES, MofedMarkers, MofedMode
 from nodeagent.core.names import is_decimal
 from nodeagent.core.needs import Needs
@@ -85,40 +85,24 @@ class SriovPolicy:
     parallel: int = 16  # VF restores carried out at once
 
 
-# [sriov] key -> (policy field, low, high)
-_NUMBERS = {
-    "numvfs_grace_seconds": ("numvfs_grace_s", 0.0, 86400.0),
-    "vf_deadline_seconds": ("vf_deadline_s", 0.1, 86400.0),
-    "retry_base_seconds": ("retry_base_s", 0.01, 3600.0),
-    "retry_max_seconds": ("retry_max_s", 0.01, 86400.0),
-    "poll_seconds": ("poll_s", 0.05, 3600.0),
-    "pf_gone_seconds": ("pf_gone_s", 1.0, 30 * 86400.0),
-}
+# [sriov]: one row a policy field, in the order they are checked.
+POLICY_FIELDS: tuple[fields.Setting, ...] = (
+    fields.Setting("numvfs_owner", "numvfs_owner", fields.one_of(NUMVFS_OWNERS)),
+    fields.Setting("mofed", "mofed", fields.one_of(MOFED_MODES)),
+    fields.Setting("mofed_drivers", "mofed_drivers", fields.modules),
+    fields.Setting("numvfs_grace_seconds", "numvfs_grace_s", fields.number(0.0, 86400.0)),
+    fields.Setting("vf_deadline_seconds", "vf_deadline_s", fields.number(0.1, 86400.0)),
+    fields.Setting("retry_base_seconds", "retry_base_s", fields.number(0.01, 3600.0)),
+    fields.Setting("retry_max_seconds", "retry_max_s", fields.number(0.01, 86400.0)),
+    fields.Setting("poll_seconds", "poll_s", fields.number(0.05, 3600.0)),
+    fields.Setting("pf_gone_seconds", "pf_gone_s", fields.number(1.0, 30 * 86400.0)),
+    fields.Setting("parallel", "parallel", fields.whole(1, 256)),
+)
 
 
 def parse_policy(table: Mapping[str, Any], pol: SriovPolicy) -> SriovPolicy:
     """``[sriov]`` of the config file over ``pol``; NodeagentError naming a bad value."""
-    known = {"numvfs_owner", "mofed", "mofed_drivers", "parallel", *_NUMBERS}
-    cfgval.reject_unknown("sriov", table, known)
-    if "numvfs_owner" in table:
-        pol = replace(
-            pol,
-            numvfs_owner=cfgval.choice("sriov.numvfs_owner", table["numvfs_owner"], NUMVFS_OWNERS),
-        )
-    if "mofed" in table:
-        mode = cfgval.choice("sriov.mofed", table["mofed"], MOFED_MODES)
-        pol = replace(pol, mofed="host" if mode == "host" else "container")
-    if "mofed_drivers" in table:
-        pol = replace(
-            pol, mofed_drivers=cfgval.module_list("sriov.mofed_drivers", table["mofed_drivers"])
-        )
-    for key, (attr, lo, hi) in _NUMBERS.items():
-        if key in table:
-            changes: dict[str, Any] = {attr: cfgval.number(f"sriov.{key}", table[key], lo, hi)}
-            pol = replace(pol, **changes)
-    if "parallel" in table:
-        pol = replace(pol, parallel=cfgval.whole("sriov.parallel", table["parallel"], 1, 256))
-    return pol
+    return fields.apply_settings("sriov", table, POLICY_FIELDS, pol)
 
 
 @dataclass(frozen=True)
@@ -818,8 +802,8 @@ class SriovGuard:
 
     def memory_from_json(self, data: Mapping[str, Any]) -> SriovMemory:
         try:
-            return _memory_from_json(data)
-        except (SriovValueError, TypeError, KeyError) as exc:
+            return SriovMemory(**fields.read_record(data, MEMORY_FIELDS))
+        except (SriovValueError, fields.FieldError, TypeError, KeyError) as exc:
             raise ValueError(f"sriov memory: {exc}") from None
 
 
@@ -905,98 +889,62 @@ def _overall(memory: SriovMemory) -> Phase:
     return worst
 
 
-def _opt_float(v: Any) -> float | None:
-    if v is None:
-        return None
-    if not is_finite(v):
-        raise SriovValueError(f"{v!r} is not a finite time")
-    return float(v)
+# -- saved memory: one table a record (state.json), each in the order its fields are checked;
+# an unknown field is ignored.
 
 
-def _time(v: Any, where: str) -> float:
-    if not is_finite(v):
-        raise SriovValueError(f"{where} is {v!r}, not a finite time")
-    return float(v)
+def _restores(raw: Any, key: str) -> Mapping[int, VfRestore]:
+    """``{"<VF index>": {RESTORE_FIELDS}}``, saved under ``<pci>.restores``."""
+    pci = key.removesuffix(".restores")
+    restores: dict[int, VfRestore] = {}
+    for i, r in fields.OBJECT.read(raw, key).items():
+        if not (isinstance(i, str) and is_decimal(i)):
+            raise fields.FieldError(f"{key}: VF index {i!r} is not a number")
+        where = f"{pci} VF {i}"
+        record = fields.read_record(fields.OBJECT.read(r, where), RESTORE_FIELDS, f"{where}: ")
+        restores[int(i)] = VfRestore(**record)
+    return MappingProxyType(restores)
 
 
-def _opt_text(v: Any, where: str) -> str | None:
-    if v is not None and not isinstance(v, str):
-        raise SriovValueError(f"{where} is {v!r}, not a string")
-    return v
-
-
-def _names(v: Any, where: str) -> tuple[str, ...]:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise SriovValueError(f"{where} is not a list of strings")
-    return tuple(v)
-
-
-def _object(v: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(v, Mapping):
-        raise SriovValueError(f"{where} is not an object")
-    return v
-
-
-def _restore_from_json(r: Any, where: str) -> VfRestore:
-    r = _object(r, where)
-    status = r.get("status")
-    if status not in ("waiting", "restored", "failed"):
-        raise SriovValueError(f"{where}: status {status!r}")
-    attempts = r.get("attempts", 0)
-    if not is_count(attempts):
-        raise SriovValueError(f"{where}: attempts is {attempts!r}, not a count")
-    ident = r.get("ident")
-    if ident is not None and not is_count(ident):
-        raise SriovValueError(f"{where}: ident is {ident!r}, not a count")
-    reported = r.get("reported", False)
-    if not isinstance(reported, bool):
-        raise SriovValueError(f"{where}: reported is not a boolean")
-    return VfRestore(
-        status=status,
-        deadline=_time(r.get("deadline", 0.0), f"{where}: deadline"),
-        attempts=attempts,
-        next_try=_opt_float(r.get("next_try")),
-        ready_at=_opt_float(r.get("ready_at")),
-        done_at=_opt_float(r.get("done_at")),
-        written=_names(r.get("written", []), f"{where}: written"),
-        error=_opt_text(r.get("error"), f"{where}: error"),
-        reported=reported,
-        ident=ident,
-    )
-
-
-def _memory_from_json(data: Mapping[str, Any]) -> SriovMemory:
-    """Strict, as every guard's memory: a wrong type anywhere is bad memory, not a crash."""
-    raw = _object(data.get("pfs"), "pfs")
+def _pfs(raw: Any, key: str) -> Mapping[str, PfMemory]:
+    """``{"<pci>": {PF_FIELDS}}``, each kept under its snapshot's own PCI address."""
     pfs: dict[str, PfMemory] = {}
-    for pci, d in raw.items():
-        d = _object(d, str(pci))
-        saved = saved_pf_from_json(d.get("saved"), f"{pci}.saved")
-        phase = d.get("phase")
-        if phase not in PHASES:
-            raise SriovValueError(f"{pci}: phase {phase!r} is not one of {', '.join(PHASES)}")
-        restores: dict[int, VfRestore] = {}
-        for i, r in _object(d.get("restores", {}), f"{pci}.restores").items():
-            if not (isinstance(i, str) and is_decimal(i)):
-                raise SriovValueError(f"{pci}.restores: VF index {i!r} is not a number")
-            restores[int(i)] = _restore_from_json(r, f"{pci} VF {i}")
-        unsupported = _names(d.get("unsupported", []), f"{pci}.unsupported")
-        unconfirmed = d.get("unconfirmed", False)
-        if not isinstance(unconfirmed, bool):
-            raise SriovValueError(f"{pci}: unconfirmed is not a boolean")
-        pfs[saved.pci] = PfMemory(
-            saved=saved,
-            phase=phase,
-            since=_time(d.get("since", 0.0), f"{pci}.since"),
-            why=_opt_text(d.get("why"), f"{pci}.why") or "",
-            back_at=_opt_float(d.get("back_at")),
-            gone_at=_opt_float(d.get("gone_at")),
-            numvfs_asked_at=_opt_float(d.get("numvfs_asked_at")),
-            numvfs_error=_opt_text(d.get("numvfs_error"), f"{pci}.numvfs_error"),
-            numvfs_quiet_since=_opt_float(d.get("numvfs_quiet_since")),
-            restores=MappingProxyType(restores),
-            unsupported=tuple(u for u in unsupported if u in VF_FIELDS),
-            unread=_names(d.get("unread", []), f"{pci}.unread"),
-            unconfirmed=unconfirmed,
-        )
-    return SriovMemory(MappingProxyType(pfs))
+    for pci, d in fields.OBJECT.read(raw, key).items():
+        mem = PfMemory(**fields.read_record(fields.OBJECT.read(d, str(pci)), PF_FIELDS, f"{pci}."))
+        pfs[mem.saved.pci] = mem
+    return MappingProxyType(pfs)
+
+
+RESTORE_FIELDS: tuple[fields.Saved, ...] = (
+    fields.Saved("status", fields.word(("waiting", "restored", "failed"))),
+    fields.Saved("attempts", fields.COUNT, 0),
+    fields.Saved("ident", fields.optional(fields.COUNT)),
+    fields.Saved("reported", fields.BOOL, False),
+    fields.Saved("deadline", fields.TIME, 0.0),
+    fields.Saved("next_try", fields.optional(fields.TIME)),
+    fields.Saved("ready_at", fields.optional(fields.TIME)),
+    fields.Saved("done_at", fields.optional(fields.TIME)),
+    fields.Saved("written", fields.STRINGS, []),
+    fields.Saved("error", fields.optional(fields.TEXT)),
+)
+PF_FIELDS: tuple[fields.Saved, ...] = (
+    fields.Saved("saved", fields.Custom(saved_pf_from_json)),
+    fields.Saved("phase", fields.word(PHASES)),
+    fields.Saved("restores", fields.Custom(_restores), {}),
+    # (a field this version does not restore is dropped)
+    fields.Saved(
+        "unsupported",
+        replace(fields.STRINGS, make=lambda x: tuple(u for u in x if u in VF_FIELDS)),
+        [],
+    ),
+    fields.Saved("unconfirmed", fields.BOOL, False),
+    fields.Saved("since", fields.TIME, 0.0),
+    fields.Saved("why", fields.optional(fields.TEXT, "")),
+    fields.Saved("back_at", fields.optional(fields.TIME)),
+    fields.Saved("gone_at", fields.optional(fields.TIME)),
+    fields.Saved("numvfs_asked_at", fields.optional(fields.TIME)),
+    fields.Saved("numvfs_error", fields.optional(fields.TEXT)),
+    fields.Saved("numvfs_quiet_since", fields.optional(fields.TIME)),
+    fields.Saved("unread", fields.STRINGS, []),
+)
+MEMORY_FIELDS: tuple[fields.Saved, ...] = (fields.Saved("pfs", fields.Custom(_pfs)),)

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from nodeagent.core import fields
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import (
     Action,
@@ -44,11 +45,10 @@ from nodeagent.core.actions import (
     UnloadModule,
     WriteFile,
 )
-from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, count_field, time_field
+from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
 from nodeagent.core.identity import module_evidence
 from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_order
 from nodeagent.core.mofed import pending_signals, unreadable_markers
-from nodeagent.core.names import is_module_name
 from nodeagent.core.needs import HOST_TREE, Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import LoadedModule, NodeSnapshot, NvmeController, NvmetPort
@@ -101,64 +101,36 @@ MODPROBE_DIRS = (
 _CONF_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.conf")
 
 
-def _hold_file(value: Any) -> str:
+def _hold_file(where: str, value: Any) -> str:
     """A ``.conf`` file of our own in a modprobe.d directory: the agent writes and removes it,
     so it must not name anything else (MOFED's blacklist, its ready flag)."""
-    rel = cfgval.check_relpath("storage.hold_file", value)
+    rel = cfgval.check_relpath(where, value)
     parent, _, name = rel.strip("/").rpartition("/")
     if parent not in MODPROBE_DIRS or not _CONF_NAME.fullmatch(name):
         raise NodeagentError(
-            f"config storage.hold_file: {value!r} must be a NAME.conf file in one of "
+            f"config {where}: {value!r} must be a NAME.conf file in one of "
             f"{', '.join(MODPROBE_DIRS)}"
         )
     if name == "blacklist-ofed-modules.conf":
-        raise NodeagentError(f"config storage.hold_file: {value!r} is MOFED's own file")
+        raise NodeagentError(f"config {where}: {value!r} is MOFED's own file")
     return rel
+
+
+# [storage]: one row a policy field, in the order they are checked.
+POLICY_FIELDS: tuple[fields.Setting, ...] = (
+    fields.Setting("policy", "policy", fields.one_of(POLICIES)),
+    fields.Setting("modules", "modules", fields.modules),
+    fields.Setting("reload", "reload", fields.flag),
+    fields.Setting("hold_file", "hold_file", _hold_file),
+    fields.Setting("pending_markers", "pending_markers", fields.paths),
+    fields.Setting("retry_base_seconds", "retry_base_s", fields.number(0.01, 3600)),
+    fields.Setting("retry_max_seconds", "retry_max_s", fields.number(0.01, 86400)),
+)
 
 
 def parse_policy(table: Mapping[str, Any], pol: StoragePolicy) -> StoragePolicy:
     """``[storage]`` of the config file over ``pol``; NodeagentError naming a bad value."""
-    cfgval.reject_unknown(
-        "storage",
-        table,
-        {
-            "policy",
-            "modules",
-            "reload",
-            "hold_file",
-            "pending_markers",
-            "retry_base_seconds",
-            "retry_max_seconds",
-        },
-    )
-    if "policy" in table:
-        name = cfgval.choice("storage.policy", table["policy"], POLICIES)
-        pol = replace(
-            pol, policy="unload" if name == "unload" else "off" if name == "off" else "hold"
-        )
-    if "modules" in table:
-        pol = replace(pol, modules=cfgval.module_list("storage.modules", table["modules"]))
-    if "reload" in table:
-        pol = replace(pol, reload=cfgval.boolean("storage.reload", table["reload"]))
-    if "hold_file" in table:
-        pol = replace(pol, hold_file=_hold_file(table["hold_file"]))
-    if "pending_markers" in table:
-        markers = table["pending_markers"]
-        if not isinstance(markers, list):
-            raise NodeagentError("config storage.pending_markers: expected a list of paths")
-        pol = replace(
-            pol,
-            pending_markers=tuple(
-                cfgval.check_relpath("storage.pending_markers", m) for m in markers
-            ),
-        )
-    if "retry_base_seconds" in table:
-        base = cfgval.number("storage.retry_base_seconds", table["retry_base_seconds"], 0.01, 3600)
-        pol = replace(pol, retry_base_s=base)
-    if "retry_max_seconds" in table:
-        cap = cfgval.number("storage.retry_max_seconds", table["retry_max_seconds"], 0.01, 86400)
-        pol = replace(pol, retry_max_s=cap)
-    return pol
+    return fields.apply_settings("storage", table, POLICY_FIELDS, pol)
 
 
 @dataclass(frozen=True)
@@ -170,6 +142,19 @@ class StorageMemory:
     failures: int = 0
     retry_at: float | None = None
     last_error: str | None = None
+
+
+# Saved memory (state.json): one row a StorageMemory field, in the order they are checked;
+# an unknown field is ignored.
+MEMORY_FIELDS: tuple[fields.Saved, ...] = (
+    fields.Saved("removed", fields.MODULES, []),
+    fields.Saved("flag_seen", fields.BOOL, False),
+    fields.Saved("flag_removed", fields.BOOL, False),
+    fields.Saved("holding", fields.BOOL, False),
+    fields.Saved("last_error", fields.optional(fields.TEXT)),
+    fields.Saved("failures", fields.COUNT, 0),
+    fields.Saved("retry_at", fields.optional(fields.TIME)),
+)
 
 
 def hold_file_text(modules: tuple[str, ...]) -> str:
@@ -222,24 +207,7 @@ class StorageGuard:
 
     def memory_from_json(self, data: Mapping[str, Any]) -> StorageMemory:
         try:
-            removed = data.get("removed", [])
-            if not isinstance(removed, list) or not all(is_module_name(m) for m in removed):
-                raise ValueError("removed is not a list of module names")
-            for key in ("flag_seen", "flag_removed", "holding"):
-                if not isinstance(data.get(key, False), bool):
-                    raise ValueError(f"{key} is not a boolean")
-            last_error = data.get("last_error")
-            if last_error is not None and not isinstance(last_error, str):
-                raise ValueError("last_error is not a string")
-            return StorageMemory(
-                flag_seen=data.get("flag_seen", False),
-                flag_removed=data.get("flag_removed", False),
-                removed=tuple(removed),
-                holding=data.get("holding", False),
-                failures=count_field(data, "failures"),
-                retry_at=time_field(data, "retry_at"),
-                last_error=last_error,
-            )
+            return StorageMemory(**fields.read_record(data, MEMORY_FIELDS))
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"storage memory is malformed: {exc}") from None
 
