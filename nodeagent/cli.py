@@ -186,12 +186,12 @@ def safe(text: object) -> str:
 
 
 def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
-    from nodeagent.exporters import build_exporters
     from nodeagent.host.agentlock import AgentLock
     from nodeagent.host.events import StopOnSignal
     from nodeagent.host.fs import HostRoot
     from nodeagent.log import setup_logging
-    from nodeagent.loop.wiring import LoopHooks, build_agent
+    from nodeagent.loop.exporters import build_exporters
+    from nodeagent.loop.wiring import build_agent
 
     setup_logging(log_level)
     # One agent per node; the lock is taken before anything is read or written
@@ -199,8 +199,7 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     with AgentLock(HostRoot(cfg.host_root)):
         exporters = build_exporters(cfg, once)
         try:
-            hooks = LoopHooks(on_record=exporters.on_record, on_pass=exporters.on_pass)
-            agent = build_agent(cfg, hooks=hooks)
+            agent = build_agent(cfg, exporters=exporters)
             with StopOnSignal(agent.stop, grace_seconds=1.5):
                 agent.run(once=once)
         finally:

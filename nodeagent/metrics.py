@@ -1,10 +1,14 @@
-"""Prometheus metrics and the health endpoints: ``/metrics``, ``/healthz``, ``/readyz``.
+"""The Prometheus exporter: the registry, its exposition and the health answers.
 
-The exporter only reads what each pass produced (``PassResult``) and never
-decides. Guard series come from the guards themselves (``core/telemetry``):
-every guard's verdict words become ``nodeagent_guard_state`` states, and the
-families a guard declares are registered here at start, so a new guard's
-metrics arrive with the guard.
+The exporter only reads what each pass produced (``PassResult``) and the
+timeline records, and never decides. Guard series come from the guards
+themselves (``core/telemetry``): every guard's verdict words become
+``nodeagent_guard_state`` states, and the families a guard declares are
+registered here at start, so a new guard's metrics arrive with the guard. A
+part fed by records declares its families the same way (``RecordTelemetry``,
+given to the exporter as ``parts``) and samples each record it reads.
+The HTTP endpoint that serves ``scrape()``, ``live()`` and ``ready()`` is
+``nodeagent.metrics_server``.
 
 Liveness (``/healthz``) says only that the loop reconciles: a pass completed
 within ``liveness_seconds`` (counted from start until the first pass).
@@ -15,15 +19,11 @@ anything: a probe is never the way to reload or act.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import socket
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psutil
@@ -38,7 +38,6 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from nodeagent import __version__
-from nodeagent.config import parse_address
 from nodeagent.core.actions import (
     Action,
     ActionOutcome,
@@ -51,6 +50,8 @@ from nodeagent.core.actions import (
 from nodeagent.core.telemetry import (
     LATENCY_BUCKETS,
     MetricFamily,
+    RecordTelemetry,
+    Sample,
     guard_families,
     guard_samples,
     verdict_ok,
@@ -69,7 +70,7 @@ ACTION_KINDS: dict[type, str] = {
     WriteFile: "write_file",
     RemoveFile: "remove_file",
 }
-# How a guard's declared family is made (prometheus-client adds a counter's _total).
+# How a declared family is made (prometheus-client adds a counter's _total).
 FAMILY_MAKERS: dict[str, Callable[[MetricFamily, CollectorRegistry], Any]] = {
     "gauge": lambda f, r: Gauge(f.name, f.help, list(f.labels), registry=r),
     "counter": lambda f, r: Counter(
@@ -85,9 +86,13 @@ UPDATE: dict[str, Callable[[Any, float], None]] = {
     "counter": lambda m, v: m.inc(v),
     "histogram": lambda m, v: m.observe(v),
 }
-
-
-HOLD_ENDINGS = frozenset({"gate_opened", "budget_expired", "responder_stopped", "opener_gone"})
+# How a record's sample changes its family: counters add, gauges add (or subtract),
+# histograms observe.
+RECORD_UPDATE: dict[str, Callable[[Any, float], None]] = {
+    "gauge": lambda m, v: m.inc(v),
+    "counter": lambda m, v: m.inc(v),
+    "histogram": lambda m, v: m.observe(v),
+}
 
 
 def action_kind(action: Action) -> str:
@@ -132,11 +137,13 @@ class MetricsExporter:
         *,
         mode: str,
         liveness_seconds: float,
+        parts: Iterable[RecordTelemetry] = (),
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         disable_created_metrics()
         self.guards = dict(guards)
+        self.parts = tuple(parts)
         self.clock = clock
         self.monotonic = monotonic
         self.liveness_seconds = liveness_seconds
@@ -204,13 +211,6 @@ class MetricsExporter:
         self.records = Counter(
             "nodeagent_records", "Timeline records written, by kind", ["kind"], registry=r
         )
-        self.held_opens = Counter(
-            "nodeagent_peermem_held_opens",
-            "Module loaders' opens of nvidia-peermem.ko held by the fanotify hold, by how "
-            "the hold ended (gate_opened, budget_expired, responder_stopped, opener_gone)",
-            ["ended"],
-            registry=r,
-        )
         self.gate_stuck = Gauge(
             "nodeagent_gate_withdrawal_failing",
             "1 while the agent cannot withdraw this gate's file (it retries every second; "
@@ -219,11 +219,6 @@ class MetricsExporter:
             registry=r,
         )
         self.stuck: set[str] = set()
-        self.container_roots = Gauge(
-            "nodeagent_peermem_hold_container_roots",
-            "Driver containers' roots marked by the fanotify hold now (found as they start)",
-            registry=r,
-        )
         r.register(ProcessCollector())
 
         # Every word a guard declares (or was seen to use): all but the current are 0.
@@ -233,13 +228,17 @@ class MetricsExporter:
             for word in self.words[name]:
                 self.guard_state.labels(name, word).set(0)
             self.guard_ok.labels(name).set(0)
-        self.guard_metrics: dict[str, Gauge | Counter | Histogram] = {}
+        # The families guards and parts declare, one name space (a name taken is refused).
+        self.family_metrics: dict[str, Gauge | Counter | Histogram] = {}
         for guard in self.guards.values():
             for fam in guard_families(guard):
-                self.guard_metrics[fam.name] = self._family(fam)
+                self.family_metrics[fam.name] = self._family(fam)
+        for part in self.parts:
+            for fam in part.families:
+                self.family_metrics[fam.name] = self._family(fam)
 
     def _family(self, fam: MetricFamily) -> Gauge | Counter | Histogram:
-        if fam.name in self.guard_metrics or not fam.name.startswith("nodeagent_"):
+        if fam.name in self.family_metrics or not fam.name.startswith("nodeagent_"):
             raise NodeagentError(f"metric family {fam.name}: duplicate or not nodeagent_-prefixed")
         return FAMILY_MAKERS[fam.kind](fam, self.registry)
 
@@ -247,20 +246,36 @@ class MetricsExporter:
 
     def on_record(self, rec: Mapping[str, Any]) -> None:
         self.records.labels(str(rec.get("kind", "record"))).inc()
-        if rec.get("kind") == "held-open":
-            ended = str(rec.get("ended")).replace(" ", "_")
-            self.held_opens.labels(ended if ended in HOLD_ENDINGS else "other").inc()
-        elif rec.get("kind") == "gate-withdrawal":
+        if rec.get("kind") == "gate-withdrawal":
             gate = str(rec.get("gate"))
             self.gate_stuck.labels(gate).set(0.0 if rec.get("ok") else 1.0)
             if rec.get("ok"):
                 self.stuck.discard(gate)
             else:
                 self.stuck.add(gate)
-        elif rec.get("kind") == "hold-root-marked":
-            self.container_roots.inc()
-        elif rec.get("kind") == "hold-root-gone":
-            self.container_roots.dec()
+        for part in self.parts:
+            self._part_samples(part, rec)
+
+    def _part_samples(self, part: RecordTelemetry, rec: Mapping[str, Any]) -> None:
+        self._apply(f"part {part.name}", part.families, part.samples(rec), RECORD_UPDATE)
+
+    def _apply(
+        self,
+        who: str,
+        families: Iterable[MetricFamily],
+        samples: Iterable[Sample],
+        update: Mapping[str, Callable[[Any, float], None]],
+    ) -> None:
+        """Samples into the families ``who`` declared (a sample of another is refused)."""
+        declared = {f.name: f for f in families}
+        for s in samples:
+            family = declared.get(s.family)
+            if family is None:
+                raise ValueError(f"{who} sampled undeclared family {s.family}")
+            metric: Any = self.family_metrics[family.name]
+            if family.labels:
+                metric = metric.labels(**{k: s.labels[k] for k in family.labels})
+            update[family.kind](metric, s.value)
 
     def on_pass(self, result: Any, exc: Exception | None) -> None:
         if result is None:
@@ -320,16 +335,8 @@ class MetricsExporter:
         fams = guard_families(guard)
         for fam in fams:
             if fam.kind == "gauge":
-                self.guard_metrics[fam.name].clear()
-        declared = {f.name: f for f in fams}
-        for s in guard_samples(guard, verdict, actions):
-            family = declared.get(s.family)
-            if family is None:
-                raise ValueError(f"guard {guard.name} sampled undeclared family {s.family}")
-            metric: Any = self.guard_metrics[family.name]
-            if family.labels:
-                metric = metric.labels(**{k: s.labels[k] for k in family.labels})
-            UPDATE[family.kind](metric, s.value)
+                self.family_metrics[fam.name].clear()
+        self._apply(f"guard {guard.name}", fams, guard_samples(guard, verdict, actions), UPDATE)
 
     def close(self) -> None:
         """Nothing to release; the server is stopped by whoever started it."""
@@ -358,173 +365,3 @@ class MetricsExporter:
         encoder, content_type = choose_encoder(accept or "")
         with self.lock:
             return encoder(self.registry), content_type
-
-
-# The endpoint is bounded: a scraper, the kubelet's probes and a person's curl need a
-# handful of connections; a flood of slow clients (1000 held 1028 threads and +28 MB,
-# never given back) must cost neither memory nor the loop. Past the cap a connection is
-# closed unread; each request has one deadline for reading it and writing the answer.
-MAX_CONNECTIONS = 32
-REQUEST_DEADLINE_S = 5.0
-
-
-class _Server(ThreadingHTTPServer):
-    """At the connection cap, the oldest connection still sending its request is closed to
-    make room: a slow client loses its place, a scraper or probe (its request sent at
-    once) gets one, and a flood of slow clients starves neither."""
-
-    daemon_threads = True
-    exporter: MetricsExporter
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._reading: dict[Any, float] = {}  # connection -> when it came, until its request is in
-        self._lock = threading.Lock()
-        self.evicted = 0  # slow connections closed to make room
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self._evict_oldest_reader()
-            if not self._slots.acquire(timeout=1.0):
-                self.shutdown_request(request)  # every slot busy answering: no thread
-                return
-        with self._lock:
-            self._reading[request] = time.monotonic()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._done(request)
-            raise
-
-    def request_read(self, request: Any) -> None:
-        """The handler has its whole request: it is no longer a candidate to close."""
-        with self._lock:
-            self._reading.pop(request, None)
-
-    def _evict_oldest_reader(self) -> None:
-        with self._lock:
-            if not self._reading:
-                return
-            oldest = min(self._reading, key=self._reading.__getitem__)
-            del self._reading[oldest]
-        self.evicted += 1
-        with contextlib.suppress(OSError):
-            oldest.shutdown(socket.SHUT_RDWR)  # its handler's read ends; its slot comes back
-
-    def _done(self, request: Any) -> None:
-        with self._lock:
-            self._reading.pop(request, None)
-        self._slots.release()
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._done(request)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _DeadlineReader:
-    """The request's bytes under one deadline for all of them: a per-read timeout lets a
-    client that sends a byte every few seconds keep its thread for ever (slowloris)."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.deadline, self.buf = sock, deadline, b""
-        self.closed = False
-
-    def _fill(self) -> bool:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("request not received within its deadline")
-        self.sock.settimeout(left)
-        chunk = self.sock.recv(4096)
-        self.buf += chunk
-        return bool(chunk)
-
-    def readline(self, limit: int = -1) -> bytes:
-        while True:
-            i = self.buf.find(b"\n")
-            if i >= 0 or 0 <= limit <= len(self.buf) or not self._fill():
-                end = i + 1 if i >= 0 else len(self.buf)
-                if limit >= 0:
-                    end = min(end, limit)
-                line, self.buf = self.buf[:end], self.buf[end:]
-                return line
-
-    def read(self, n: int = -1) -> bytes:
-        while (n < 0 or len(self.buf) < n) and self._fill():
-            pass
-        end = len(self.buf) if n < 0 else n
-        data, self.buf = self.buf[:end], self.buf[end:]
-        return data
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    timeout = REQUEST_DEADLINE_S
-
-    def setup(self) -> None:
-        super().setup()
-        self._deadline = time.monotonic() + REQUEST_DEADLINE_S
-        self.rfile = _DeadlineReader(self.connection, self._deadline)  # type: ignore[assignment]
-
-    def do_GET(self) -> None:
-        self.server.request_read(self.connection)
-        exporter = self.server.exporter
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            body, ctype = exporter.scrape(self.headers.get("Accept"))
-            self._reply(200, body, ctype)
-            return
-        probe = {"/healthz": exporter.live, "/readyz": exporter.ready}.get(path)
-        if probe is None:
-            self._reply(404, b"not found: /metrics, /healthz, /readyz\n")
-            return
-        ok, text = probe()
-        self._reply(200 if ok else 503, text.encode())
-
-    def _reply(self, code: int, body: bytes, ctype: str = "text/plain; charset=utf-8") -> None:
-        # The answer is written within what is left of the request's deadline.
-        self.connection.settimeout(max(0.05, self._deadline - time.monotonic()))
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes and probes are not worth a log line each."""
-
-
-class MetricsServer:
-    """The HTTP endpoint in a daemon thread; ``close()`` stops it."""
-
-    def __init__(self, exporter: MetricsExporter, address: str) -> None:
-        host, port = parse_address(address)
-        server = _Server6 if ":" in host else _Server
-        try:
-            self._httpd = server((host, port), _Handler)
-        except OSError as exc:
-            raise NodeagentError(f"metrics address {address}: {exc.strerror or exc}") from None
-        self._httpd.exporter = exporter
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._serve, name="nodeagent-metrics", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        # SIGTERM/SIGINT belong to the agent's loop (host/events.StopOnSignal); this
-        # thread and the request threads it starts (they inherit the mask) never take them.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-        self._httpd.serve_forever()
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)

@@ -25,9 +25,8 @@ from typing import Any
 import pytest
 import yaml
 
-from nodeagent.agent import build_reconciler
 from nodeagent.config import Config, config_from_mapping, parse_address
-from nodeagent.metrics import MetricsExporter
+from nodeagent.loop.exporters import metrics_exporter
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -82,7 +81,9 @@ def by_kind(docs: tuple[dict[str, Any], ...], kind: str) -> dict[str, Any]:
 
 
 def exported_metric_names() -> set[str]:
-    exp = MetricsExporter(build_reconciler(Config()).guards, mode="observe", liveness_seconds=60)
+    """What the daemon exports: the exporter as the daemon builds it (the guards' series and
+    what their host sides declare: the hold's)."""
+    exp = metrics_exporter(Config(mode="observe"))
     names: set[str] = set()
     for fam in exp.registry.collect():
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}

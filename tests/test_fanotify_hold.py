@@ -390,9 +390,10 @@ def test_the_hold_refuses_to_start_without_host_pids_in_one_line() -> None:
 
 
 def test_held_opens_are_counted_by_how_they_ended() -> None:
+    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
     from nodeagent.metrics import MetricsExporter
 
-    m = MetricsExporter({}, mode="enforce", liveness_seconds=60)
+    m = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(HOLD_TELEMETRY,))
     for ended in ("gate opened", "budget expired", "gate opened", "something new"):
         m.on_record({"kind": "held-open", "ended": ended})
     text, _ = m.scrape(None)

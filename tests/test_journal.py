@@ -119,10 +119,10 @@ def test_a_full_journal_queue_drops_instead_of_blocking(
 def _exporter_for(root: Path, journal: bool = True) -> JournalExporter:
     """The journal exporter as the agent builds it for host root ``root``."""
     from nodeagent.config import Config
-    from nodeagent.exporters import Exporters, _journal
+    from nodeagent.loop.exporters import build_exporters
 
-    exporters = Exporters()
-    _journal(Config(host_root=str(root), journal=journal), exporters, once=False)
+    cfg = Config(host_root=str(root), journal=journal, metrics_address="off")
+    exporters = build_exporters(cfg)
     (exp,) = [e for e in exporters.exporters if isinstance(e, JournalExporter)]
     return exp
 

@@ -17,7 +17,6 @@ from nodeagent.config import Config, LabelsConfig, config_from_mapping
 from nodeagent.core.guard import Verdict
 from nodeagent.core.labels import DEFAULT_PREFIX, check_prefix, label_value, node_labels
 from nodeagent.errors import NodeagentError
-from nodeagent.loop.wiring import LabelsPublisher
 from nodeagent.sim.node import READY
 
 from .healthy import healthy_node
@@ -150,8 +149,7 @@ def test_the_file_follows_the_verdicts_and_is_rewritten_only_on_change(node: Pat
 def test_the_expiry_is_refreshed_before_it_runs_out(node: Path) -> None:
     now = [1_000_000.0]
     agent = agent_on(node, expiry_seconds=600.0)
-    (labels,) = [p for p in agent.publishers if isinstance(p, LabelsPublisher)]
-    labels.file.wall = lambda: now[0]
+    agent.exporters.get("labels").file.wall = lambda: now[0]
     try:
         agent.run_once()
         first = (node / FEATURES / "nodeagent").read_text()

@@ -28,9 +28,10 @@ from nodeagent.config import Config, load_config
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.guard import Verdict
 from nodeagent.core.snapshot import NodeSnapshot
-from nodeagent.core.telemetry import MetricFamily, Sample
+from nodeagent.core.telemetry import MetricFamily, RecordTelemetry, Sample
 from nodeagent.errors import NodeagentError
-from nodeagent.metrics import MetricsExporter, MetricsServer, wake_source
+from nodeagent.metrics import MetricsExporter, wake_source
+from nodeagent.metrics_server import MetricsServer
 from nodeagent.sim.node import READY, Node
 from tests.test_integration import node  # noqa: F401  (the node fixture)
 from tests.waiting import WAIT, until
@@ -278,6 +279,94 @@ def test_a_guard_brings_its_own_words_and_families() -> None:
     assert value(s, "nodeagent_guard_state", guard="light", state="green") == 0
 
 
+# A part fed by records (not a guard): a bell that rings and a queue that grows and shrinks.
+RINGS = MetricFamily("nodeagent_bell_rings_total", "counter", "Rings, by bell", ("bell",))
+QUEUE = MetricFamily("nodeagent_bell_queue", "gauge", "Callers waiting now")
+
+
+def bell_samples(rec: Mapping[str, Any]) -> list[Sample]:
+    kind = rec.get("kind")
+    if kind == "bell-rung":
+        return [Sample(RINGS.name, {"bell": str(rec["bell"])})]
+    if kind in ("caller-came", "caller-left"):
+        return [Sample(QUEUE.name, value=1.0 if kind == "caller-came" else -1.0)]
+    return []
+
+
+BELL = RecordTelemetry("bell", (RINGS, QUEUE), bell_samples)
+
+
+def test_a_part_brings_its_own_families_fed_by_its_records() -> None:
+    exp = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(BELL,))
+    body, _ = exp.scrape(None)
+    assert b"# TYPE nodeagent_bell_rings_total counter" in body, "declared at start"
+    assert value(exporter_series(exp), "nodeagent_bell_queue") == 0
+    for rec in (
+        {"kind": "bell-rung", "bell": "front"},
+        {"kind": "bell-rung", "bell": "front"},
+        {"kind": "bell-rung", "bell": "back"},
+        {"kind": "caller-came"},
+        {"kind": "caller-came"},
+        {"kind": "caller-left"},
+        {"kind": "something-else"},
+    ):
+        exp.on_record(rec)
+    s = exporter_series(exp)
+    assert value(s, "nodeagent_bell_rings_total", bell="front") == 2
+    assert value(s, "nodeagent_bell_rings_total", bell="back") == 1
+    assert value(s, "nodeagent_bell_queue") == 1, "a gauge sample of a record is a change"
+    assert value(s, "nodeagent_records_total", kind="bell-rung") == 3
+    assert MetricsExporter({}, mode="enforce", liveness_seconds=60).parts == (), "none by default"
+
+
+def test_a_part_family_already_taken_is_refused() -> None:
+    twin = RecordTelemetry("twin", (QUEUE,), lambda rec: [])
+    with pytest.raises(NodeagentError, match="nodeagent_bell_queue: duplicate"):
+        MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(BELL, twin))
+    # A guard's family and a part's share one name space.
+    lamp = RecordTelemetry(
+        "lamp", (MetricFamily("nodeagent_light_lamps", "gauge", "x"),), bell_samples
+    )
+    with pytest.raises(NodeagentError, match="nodeagent_light_lamps: duplicate"):
+        MetricsExporter(
+            {"light": TrafficLight()}, mode="enforce", liveness_seconds=60, parts=(lamp,)
+        )
+    unprefixed = RecordTelemetry(
+        "bare", (MetricFamily("bell_rings", "counter", "x"),), bell_samples
+    )
+    with pytest.raises(NodeagentError, match="not nodeagent_-prefixed"):
+        MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(unprefixed,))
+
+
+def test_a_part_sampling_an_undeclared_family_fails_loudly() -> None:
+    stray = RecordTelemetry("stray", (QUEUE,), lambda rec: [Sample(RINGS.name, {"bell": "x"})])
+    exp = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(stray,))
+    with pytest.raises(ValueError, match="part stray sampled undeclared family"):
+        exp.on_record({"kind": "bell-rung"})
+
+
+def test_the_hold_series_are_declared_beside_the_hold_without_a_metrics_library() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parent.parent / "nodeagent"
+
+    def imported(path: Path) -> set[str]:
+        names: set[str] = set()
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Import):
+                names |= {a.name for a in n.names}
+            elif isinstance(n, ast.ImportFrom) and n.module:
+                names.add(n.module)
+        return names
+
+    hold = imported(root / "host" / "hold_telemetry.py")
+    assert not {n for n in hold if n.startswith(("prometheus_client", "nodeagent.metrics"))}
+    server = imported(root / "metrics_server.py")
+    assert "nodeagent.metrics" not in server, "the endpoint reads the exporter through Scrapeable"
+    exporter = (root / "metrics.py").read_text().lower()
+    assert "peermem" not in exporter and "hold" not in exporter, "the exporter names no part"
+
+
 def test_liveness_fails_when_passes_stop() -> None:
     now = [1000.0]
     exp = MetricsExporter({}, mode="observe", liveness_seconds=60, monotonic=lambda: now[0])
@@ -413,7 +502,7 @@ def test_slow_clients_hold_neither_threads_nor_the_endpoint(
     import threading
     import urllib.request
 
-    from nodeagent import metrics as m
+    from nodeagent import metrics_server as m
 
     cap = 4
     monkeypatch.setattr(m, "MAX_CONNECTIONS", cap)

@@ -218,7 +218,7 @@ def test_the_layers_point_one_way() -> None:
     assert checked > 100
 
 
-EXPORTERS = ("nodeagent.metrics", "nodeagent.journal")
+EXPORTERS = ("nodeagent.metrics", "nodeagent.metrics_server", "nodeagent.journal")
 
 
 def test_exporters_never_import_the_loop() -> None:

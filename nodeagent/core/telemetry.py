@@ -18,11 +18,20 @@ never free text such as a reason or an error message.
 
 The coupling to the guard and verdict shape lives here and only here
 (``verdict_words``, ``verdict_ok``), so a change of that shape is one edit.
+
+A part that is not a guard but writes timeline records (the fanotify hold:
+``host/hold_telemetry.py``) declares its series the same way, as a
+``RecordTelemetry``: its ``families`` and a pure ``samples(record)``. The
+exporter is given the parts, registers their families at start beside the
+guards' (one name space, same checks), and feeds every record to each part.
+A record's samples are changes: a counter's value is added, a gauge's value is
+added too (negative to lower it: a gauge counts what is there now), a
+histogram's value is observed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -54,7 +63,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 @dataclass(frozen=True)
 class MetricFamily:
-    """One metric family a guard adds (full name, ``nodeagent_`` prefix included)."""
+    """One metric family a guard or a part adds (full name, ``nodeagent_`` prefix included)."""
 
     name: str
     kind: MetricKind
@@ -80,6 +89,19 @@ class GuardTelemetry(Protocol):
     def metric_samples(
         self, verdict: Verdict, outcomes: Sequence[ActionOutcome]
     ) -> Iterable[Sample]: ...
+
+
+@dataclass(frozen=True)
+class RecordTelemetry:
+    """A part fed by timeline records: the families it adds and how one record samples them.
+
+    ``samples`` is pure (no state, no clock): a record in, its samples out (none for a
+    record the part does not read); a gauge sample's value is a change, not a level.
+    """
+
+    name: str
+    families: tuple[MetricFamily, ...]
+    samples: Callable[[Mapping[str, Any]], Iterable[Sample]]
 
 
 def verdict_words(guard: Any) -> tuple[str, ...]:

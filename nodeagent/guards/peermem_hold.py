@@ -13,11 +13,12 @@ recorded at the end of every pass and at stop. See docs/design.md, "The hold".
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.core.guard import Verdict
 from nodeagent.guards.side import GuardSide, SideContext
+from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
 
 if TYPE_CHECKING:
     from nodeagent.host.containers import RootScanner
@@ -28,6 +29,7 @@ log = logging.getLogger("nodeagent")
 
 class PeermemHold(GuardSide):
     status_key = "hold"
+    telemetry = (HOLD_TELEMETRY,)  # held opens by how they ended, container roots marked
 
     def __init__(self, ctx: SideContext) -> None:
         super().__init__(ctx)
@@ -132,9 +134,6 @@ class PeermemHold(GuardSide):
                 for r in (self.containers.roots() if self.containers else [])
             ],
         }
-
-    def telemetry(self) -> Sequence[Any]:
-        return ()
 
     def stop(self) -> None:
         if self.containers is not None:

@@ -18,7 +18,8 @@ gate. A guard that needs more from the node brings it here, through one
 - ``after_publish(verdict, published, vouches)``: what follows the gate, at the
   end of the pass (rule 8);
 - ``status()``: its part of ``status.json`` under ``status_key``;
-- ``telemetry()``: its record-fed metric families.
+- ``telemetry``: its record-fed metric families (a class attribute: the
+  exporter registers them at start, whether the side starts anything or not).
 
 The loop calls every hook of every side the same way and names no guard.
 """
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from nodeagent.core.guard import Verdict
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.reconcile import AgentMemory
+from nodeagent.core.telemetry import RecordTelemetry
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.ports import HostPorts
 
@@ -61,6 +63,7 @@ class GuardSide:
     """The defaults do nothing: a side overrides only what its guard needs."""
 
     status_key: str | None = None  # its part of status.json, if any
+    telemetry: tuple[RecordTelemetry, ...] = ()  # record-fed metric families (metrics.py)
 
     def __init__(self, ctx: SideContext) -> None:
         self.ctx = ctx
@@ -87,10 +90,6 @@ class GuardSide:
     def status(self) -> Any:
         return None
 
-    def telemetry(self) -> Sequence[Any]:
-        """Record-fed metric parts (``nodeagent/metrics.py``)."""
-        return ()
-
     def stop(self) -> None:
         """At stop, before the guards' stop actions run."""
 
@@ -98,5 +97,5 @@ class GuardSide:
         """Last at stop: release what the side holds (sockets)."""
 
 
-# How an entry makes its side; None in the entry: the guard needs no host side.
-SideFactory = Callable[[SideContext], GuardSide]
+# How an entry makes its side (the class); None in the entry: the guard needs no host side.
+SideFactory = type[GuardSide]

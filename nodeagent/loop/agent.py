@@ -73,7 +73,7 @@ class Agent:
         self.books = passes.books
         self.gates = passes.gates
         self.sides = passes.sides
-        self.publishers = passes.publishers
+        self.exporters = passes.exporters
         self.pass_context = passes.pass_context
 
     # -- what tests, tools and the simulator read -------------------------------
@@ -171,9 +171,9 @@ class Agent:
             now = self.clock()
             schedule.after(now)
             # Between passes the loop beats every RENEW_S while a gate is open, a withdrawal
-            # failed or a publisher keeps a heartbeat: the lease proves the loop, not a thread.
+            # failed or an exporter keeps a heartbeat: the lease proves the loop, not a thread.
             while True:
-                beat = self.gates.needs_beat() or any(p.needs_beat for p in self.publishers)
+                beat = self.gates.needs_beat() or self.exporters.needs_beat()
                 deadline, wait = schedule.next_wake(now, beat)
                 woken_by = waker.wait(wait)
                 now = self.clock()
@@ -181,19 +181,17 @@ class Agent:
                     break
                 with self.pass_context():
                     self.renew_leases()
-                    for p in self.publishers:
-                        if p.needs_beat:
-                            p.beat()
+                    self.exporters.beat()
 
     def _stop(self, watch: FileWatch) -> None:
         """The stop order: sides let go (every held open allowed), the watch closes, the
-        guards' stop actions run, publishers withdraw, sides release, then the last record."""
+        guards' stop actions run, exporters withdraw what they published, sides release,
+        then the last record."""
         for side in self.sides.values():
             side.stop()
         watch.close()
         self._stop_actions()
-        for p in self.publishers:
-            p.stop()  # a stale "ok" label is worse than none; no heartbeat reads Unknown
+        self.exporters.stop()  # a stale "ok" label is worse than none; no heartbeat: Unknown
         for side in self.sides.values():
             side.close()
         self.record({"kind": "stop"})

@@ -20,8 +20,8 @@ safety, and it is decided here and nowhere else:
    pass's decisions: each guard's, when any verdict or action changed or an
    event happened; an undone observe-mode action once, not per pass.
 6. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
-   publishers (labels, NPD), the status. A failure of memory or status means
-   the pass vouches for no open gate.
+   exporters that publish from the verdicts (labels, NPD), the status. A
+   failure of memory or status means the pass vouches for no open gate.
 7. **Publish last**, and only from a pass whose bookkeeping held: a gate file
    says "a recent, completed pass decided open". An event since the
    observation makes the decision stale: it vouches for nothing (an open file
@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from nodeagent.core.actions import ActionOutcome
 from nodeagent.core.guard import Verdict
@@ -52,6 +52,7 @@ from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.guards.side import GuardSide
 from nodeagent.host.gatefile import RENEW_S
 from nodeagent.host.observe import Observer
+from nodeagent.loop.exporters import Exporters
 from nodeagent.loop.gates import Gates
 from nodeagent.loop.records import Bookkeeping, action_record, status_document
 from nodeagent.loop.workers import FinishedPlan, PlanWorkers
@@ -72,19 +73,6 @@ class PassResult:
     started: float = 0.0
 
 
-class Publisher(Protocol):
-    """Something published from every pass's verdicts for the cluster to read (labels,
-    NPD's files): never held against a gate, its problem shown in the pass's status."""
-
-    needs_beat: bool  # renewed between passes, with the leases
-
-    def publish(self, verdicts: Mapping[str, Verdict]) -> str | None: ...
-
-    def beat(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-
 class Passes:
     def __init__(
         self,
@@ -100,7 +88,7 @@ class Passes:
         books: Bookkeeping,
         gates: Gates,
         sides: Mapping[str, GuardSide],
-        publishers: Sequence[Publisher],
+        exporters: Exporters,
         memory: AgentMemory,
         pass_context: Callable[[], AbstractContextManager[object]],
         on_pass: Callable[[PassResult | None, Exception | None], None] | None,
@@ -116,7 +104,7 @@ class Passes:
         self.books = books
         self.gates = gates
         self.sides = sides
-        self.publishers = list(publishers)
+        self.exporters = exporters
         self.memory = memory
         self.pass_context = pass_context
         self.on_pass = on_pass
@@ -132,12 +120,17 @@ class Passes:
                     self.workers.run_pending()
             except BaseException as exc:
                 self.gates.withdraw(self.reconciler.gates)  # rule 9
-                if self.on_pass is not None and isinstance(exc, Exception):
-                    self.on_pass(None, exc)
+                if isinstance(exc, Exception):
+                    self._passed(None, exc)
                 raise
-            if self.on_pass is not None:
-                self.on_pass(result, None)
+            self._passed(result, None)
             return result
+
+    def _passed(self, result: PassResult | None, exc: Exception | None) -> None:
+        """The exporters, then the embedder, see every pass, inside its context."""
+        self.exporters.on_pass(result, exc)
+        if self.on_pass is not None:
+            self.on_pass(result, exc)
 
     def _pass(self, woken_by: Sequence[str]) -> PassResult:
         now = self.clock()
@@ -201,10 +194,8 @@ class Passes:
         books.save_memory(memory)
         for side in self.sides.values():
             side.after_memory(memory)
-        for publisher in self.publishers:  # a record for the cluster: never held against a gate
-            problem = publisher.publish(rec.verdicts)
-            if problem is not None:
-                books.problem(problem)
+        for problem in self.exporters.publish(rec.verdicts):  # never held against a gate
+            books.problem(problem)
         books.write_status(self.status(snap, rec.verdicts, outcomes))
 
         # 7. Publish last.

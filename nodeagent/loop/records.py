@@ -67,8 +67,8 @@ class Bookkeeping:
         on_record: Callable[[dict[str, Any]], None] | None = None,
         record_hooks: Sequence[Callable[[dict[str, Any]], None]] = (),
     ) -> None:
-        """``on_record`` (an embedder's) and ``record_hooks`` (publishers that turn records
-        into something of their own, e.g. NPD's events) see every record."""
+        """``on_record`` (an embedder's) and ``record_hooks`` (the exporters: the journal,
+        Prometheus, NPD's events) see every record."""
         self.timeline = timeline
         self.state = state
         self.reconciler = reconciler
@@ -102,7 +102,7 @@ class Bookkeeping:
         self.can_vouch = self.can_vouch and vouch
 
     def problem(self, problem: str) -> None:
-        """A publisher's problem of this pass: reported, never held against a gate."""
+        """An exporter's problem of this pass: reported, never held against a gate."""
         self.problems.append(problem)
 
     def record_finished(self, finished: Sequence[FinishedPlan]) -> None:

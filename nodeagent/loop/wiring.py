@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.config import Config
-from nodeagent.core.labels import node_labels
 from nodeagent.core.reconcile import AgentMemory, Reconciliation
 from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.guards.registry import GUARDS, GuardEntry, build_reconciler
@@ -30,10 +29,8 @@ from nodeagent.host.ports import HostPorts
 from nodeagent.host.state import StateStore
 
 if TYPE_CHECKING:
-    from nodeagent.core.guard import Verdict
-    from nodeagent.host.conditions import NpdFiles
-    from nodeagent.host.labels import FeatureFile
     from nodeagent.loop.agent import Agent
+    from nodeagent.loop.exporters import Exporters
     from nodeagent.loop.passes import PassResult
 
 
@@ -148,60 +145,24 @@ def check_node(
     return snap, reconciler.decide(snap, memory), problems
 
 
-class LabelsPublisher:
-    """Node labels through NFD's features.d ([labels] nfd): what the cluster selects on."""
-
-    needs_beat = False
-
-    def __init__(self, file: FeatureFile, prefix: str) -> None:
-        self.file = file
-        self.prefix = prefix
-
-    def publish(self, verdicts: Mapping[str, Verdict]) -> str | None:
-        return self.file.publish(node_labels(verdicts, self.prefix))
-
-    def beat(self) -> None:
-        return None
-
-    def stop(self) -> None:
-        self.file.remove()  # a stale "ok" label is worse than none
-
-
-class NpdPublisher:
-    """What node-problem-detector's plugin reads ([npd] enabled): conditions, events and
-    the loop's heartbeat, so a dead or stuck agent reads as Unknown on the Node."""
-
-    needs_beat = True
-
-    def __init__(self, files: NpdFiles) -> None:
-        self.files = files
-
-    def publish(self, verdicts: Mapping[str, Verdict]) -> str | None:
-        return self.files.publish(verdicts)
-
-    def beat(self) -> None:
-        self.files.beat()
-
-    def stop(self) -> None:
-        self.files.stop()  # no heartbeat: NPD's conditions read Unknown, not a stale OK
-
-
 def build_agent(
     cfg: Config,
     ports: HostPorts = NO_PORTS,
     hooks: LoopHooks = NO_HOOKS,
     guards: tuple[GuardEntry, ...] = GUARDS,
+    exporters: Exporters | None = None,
 ) -> Agent:
+    """``exporters``: the daemon's (``loop/exporters.py``, all it configures); by default
+    those an embedded agent keeps (NFD labels, NPD's files), never a socket or a port."""
     # The acting half, imported here: ``check`` never loads libkmod, tenacity or the loop.
     from nodeagent.host.act import EXECUTORS, Actuator, kmsg_reader
-    from nodeagent.host.conditions import NpdFiles
     from nodeagent.host.events import Poke, WakeSource
     from nodeagent.host.gatefile import GateFiles
     from nodeagent.host.kmod import default_module_ops
-    from nodeagent.host.labels import FeatureFile
     from nodeagent.loop.agent import Agent, any_pending
+    from nodeagent.loop.exporters import build_exporters
     from nodeagent.loop.gates import Gates
-    from nodeagent.loop.passes import Passes, Publisher
+    from nodeagent.loop.passes import Passes
     from nodeagent.loop.records import Bookkeeping
     from nodeagent.loop.workers import PlanWorkers
     from nodeagent.timeline import Timeline
@@ -214,24 +175,15 @@ def build_agent(
     wall: Callable[[], float] = hooks.clock or time.time
     reconciler = build_reconciler(cfg.policies, cfg.paths, guards)
     poke, plans_ended = Poke(), Poke()
-    labels = (
-        FeatureFile(host, cfg.labels.features_dir, cfg.labels.expiry_seconds, wall)
-        if cfg.labels.nfd
-        else None
-    )
-    npd = NpdFiles(host, cfg.paths.state_dir) if cfg.npd.enabled else None
-    publishers: list[Publisher] = []
-    if labels is not None:
-        publishers.append(LabelsPublisher(labels, cfg.labels.prefix))
-    if npd is not None:
-        publishers.append(NpdPublisher(npd))
+    if exporters is None:
+        exporters = build_exporters(cfg, daemon=False, guards=guards, wall=wall)
     books = Bookkeeping(
         timeline=Timeline(host, cfg.paths.timeline_dir, cfg.timeline_max_bytes, cfg.timeline_keep),
         state=StateStore(host, cfg.paths.state_dir, wall),
         reconciler=reconciler,
         wall=wall,
         on_record=hooks.on_record,
-        record_hooks=[npd.on_record] if npd is not None else [],  # a Warning event for NPD
+        record_hooks=[exporters.on_record],
     )
     sides = build_sides(
         cfg,
@@ -286,7 +238,7 @@ def build_agent(
         books=books,
         gates=gates,
         sides=sides,
-        publishers=publishers,
+        exporters=exporters,
         memory=memory,
         pass_context=pass_context,
         on_pass=hooks.on_pass,

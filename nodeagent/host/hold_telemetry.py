@@ -1,0 +1,53 @@
+"""The fanotify hold's series (``host/hold.py``, ``host/containers.py``), from its records.
+
+Pure declarations and one pure function, no metrics library: the exporter
+(``nodeagent.metrics``) is given ``HOLD_TELEMETRY`` and registers its families
+at start, whether the hold is on or off (off, the counter has no series and the
+gauge reads 0).
+
+- ``held-open`` (one per held open, when its hold ended) adds 1 to
+  ``nodeagent_peermem_held_opens_total{ended}``, ``ended`` being how the hold
+  ended, its spaces as underscores (``HOLD_ENDINGS``; any other word is ``other``,
+  so the label stays bounded);
+- ``hold-root-marked`` / ``hold-root-gone`` (a driver container's root marked as
+  it starts, unmarked as it goes) raise / lower
+  ``nodeagent_peermem_hold_container_roots``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nodeagent.core.telemetry import MetricFamily, RecordTelemetry, Sample
+
+HOLD_ENDINGS = frozenset({"gate_opened", "budget_expired", "responder_stopped", "opener_gone"})
+
+HELD_OPENS = MetricFamily(
+    "nodeagent_peermem_held_opens_total",
+    "counter",
+    "Module loaders' opens of nvidia-peermem.ko held by the fanotify hold, by how "
+    "the hold ended (gate_opened, budget_expired, responder_stopped, opener_gone)",
+    ("ended",),
+)
+CONTAINER_ROOTS = MetricFamily(
+    "nodeagent_peermem_hold_container_roots",
+    "gauge",
+    "Driver containers' roots marked by the fanotify hold now (found as they start)",
+)
+
+
+def hold_samples(rec: Mapping[str, Any]) -> list[Sample]:
+    """One record's changes to the hold's series (none for a record it does not read)."""
+    kind = rec.get("kind")
+    if kind == "held-open":
+        ended = str(rec.get("ended")).replace(" ", "_")
+        return [Sample(HELD_OPENS.name, {"ended": ended if ended in HOLD_ENDINGS else "other"})]
+    if kind == "hold-root-marked":
+        return [Sample(CONTAINER_ROOTS.name, value=1.0)]
+    if kind == "hold-root-gone":
+        return [Sample(CONTAINER_ROOTS.name, value=-1.0)]
+    return []
+
+
+HOLD_TELEMETRY = RecordTelemetry("hold", (HELD_OPENS, CONTAINER_ROOTS), hold_samples)
