@@ -59,8 +59,12 @@ def test_a_toy_guard_is_its_own_file_plus_one_entry(tmp_path: Path) -> None:
         guards,
     )
     state = tmp_path / "run/nodeagent"
+    orphan = tmp_path / "etc/toy/.rung.tmp.4242"  # what a killed write of the side left
+    orphan.parent.mkdir(parents=True)
+    orphan.write_text("half a write")
     try:
-        agent.run_once()
+        agent.run(once=True)
+        assert not orphan.exists()  # removed at start, in the side's own directory too
         quiet = [r for r in records if r.get("kind") == "decision" and r.get("guard") == "toy"]
         assert quiet and quiet[-1]["verdict"] == "quiet" and quiet[-1]["ok"] is True
         assert (state / "toy.gate").exists()  # its gate, published like any other
@@ -68,7 +72,6 @@ def test_a_toy_guard_is_its_own_file_plus_one_entry(tmp_path: Path) -> None:
             samples(metrics)[("nodeagent_guard_state", (("guard", "toy"), ("state", "quiet")))] == 1
         )
 
-        (tmp_path / BELL).parent.mkdir(parents=True)
         (tmp_path / BELL).write_text("ding\n")
         agent.run_pass()  # decides and hands the plan to the toy's worker
         assert agent.workers.wait_idle(WAIT), "the toy's plan did not end"

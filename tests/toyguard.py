@@ -99,9 +99,12 @@ class ToyGuard:
 
 
 class ToySide(GuardSide):
-    """Its host side: an executor for ``Ring``, and a part of status.json."""
+    """Its host side: an executor for ``Ring``, where it writes, and a part of status.json."""
 
     status_key = "toy"
+
+    def written_dirs(self) -> Sequence[str]:
+        return ("etc/toy",)
 
     def executors(self) -> Sequence[Callable[[Any], Any]]:
         side = self

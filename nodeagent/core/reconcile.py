@@ -1,6 +1,6 @@
 """Run every guard over one snapshot; feed action outcomes back to their guards.
 
-Pure, like the guards: the agent loop (nodeagent.agent) supplies snapshots and
+Pure, like the guards: the loop (nodeagent/loop/) supplies snapshots and
 carries out each guard's plan. The guards come from the one list in
 ``guards/registry.py``; nothing here knows what a guard is about.
 """

@@ -7,7 +7,7 @@ gate. A guard that needs more from the node brings it here, through one
 ``GuardSide`` named in its registry entry (``guards/registry.py``):
 
 - ``readers()``: facts the observer cannot read by itself (SR-IOV over
-  netlink), by ``Readers`` field;
+  netlink), by ``Readers`` field; ``written_dirs()``: where it writes files;
 - ``executors()``: actions of its own kinds (a VF restore);
 - ``start()`` before the first pass, ``stop()`` before the stop actions,
   ``close()`` last;
@@ -70,6 +70,11 @@ class GuardSide:
 
     def readers(self) -> Mapping[str, Callable[[], Any]]:
         return {}
+
+    def written_dirs(self) -> Sequence[str]:
+        """Directories it writes files in atomically: what a killed write left there
+        (``write_atomic``'s temp files) is removed at start, with the agent's own."""
+        return ()
 
     def executors(self) -> Sequence[Callable[[NodeHands], Executor]]:
         return ()

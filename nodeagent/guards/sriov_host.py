@@ -38,6 +38,9 @@ class SriovSide(GuardSide):
     def readers(self) -> Mapping[str, Callable[[], Any]]:
         return {"sriov": self.observer.read}
 
+    def written_dirs(self) -> Sequence[str]:
+        return (self.ctx.paths.sriov_snapshot.rpartition("/")[0],)
+
     def executors(self) -> Sequence[Callable[[NodeHands], Executor]]:
         return (lambda hands: SriovExecutor(hands.host, self.ops),)
 

@@ -217,7 +217,8 @@ class Agent:
         """What a killed write left behind (``write_atomic``'s temp files) in the agent's own
         directories; ``run`` holds the single-agent lock, so no live writer's file goes."""
         paths = self.cfg.paths
-        for d in {paths.state_dir, paths.timeline_dir, paths.sriov_snapshot.rpartition("/")[0]}:
+        sides = (d for side in self.sides.values() for d in side.written_dirs())
+        for d in {paths.state_dir, paths.timeline_dir, *sides}:
             removed = self.host.remove_orphaned_temps(d) if d else []
             if removed:
                 log.info("removed what killed writes left in %s: %s", d, removed)

@@ -1,8 +1,9 @@
 """The real agent inside the simulator: its own ``run`` loop in a thread.
 
-The agent is ``nodeagent.agent.Agent`` unchanged in what it does: the same
-loop, the same observer reading the temp host root, real inotify on it,
-enforce mode. What the simulator gives it:
+The agent is the real one, built by ``nodeagent.loop.wiring.build_agent`` and
+unchanged in what it does: the same loop, the same observer reading the temp
+host root, real inotify on it, enforce mode. What the simulator gives it, as
+one ``HostPorts`` and one ``LoopHooks``:
 
 - ``SimKernel`` as its module operations and kernel-log reader;
 - the simulated kernel's uevent pipe and a *fence* pipe as extra wake sources;
@@ -34,11 +35,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from nodeagent.agent import Agent, PassResult, build_reconciler
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.guards.peermem_hold import PeermemHold
+from nodeagent.guards.registry import build_reconciler
 from nodeagent.host.hold import HoldHost
+from nodeagent.host.ports import HostPorts
+from nodeagent.loop.passes import PassResult
+from nodeagent.loop.wiring import LoopHooks, build_agent
 from nodeagent.sim.clock import SimError
 from nodeagent.sim.kernel import WakePipe
 from nodeagent.sim.netlink import SimSriovOps
@@ -67,7 +71,7 @@ def agent_config(node: Node) -> Config:
 
 def agent_guards() -> tuple[str, ...]:
     """The guards the agent runs today (a scenario needing another one is labelled)."""
-    return tuple(build_reconciler(Config()).guards)
+    return tuple(build_reconciler({}, Config().paths).guards)
 
 
 class SimAgent:
@@ -96,19 +100,22 @@ class SimAgent:
             threaded=False,
             clock=node.sched.now,
         )
-        self.agent = Agent(
-            cfg,
-            hold_host=hold_host,
+        # The node as the simulator's kernel gives it: one bundle of host ports.
+        ports = HostPorts(
             module_ops=node.kernel,
             kernel_log=node.kernel.kernel_messages,
+            sriov_ops=SimSriovOps(node.kernel),
+            hold_host=hold_host,
             wake_sources=[node.kernel.uevent_source, fence],
+        )
+        hooks = LoopHooks(
             clock=node.sched.now,
             pass_context=self._world,
             on_pass=self._pass_done,
             on_record=self._record,
-            sriov_ops=SimSriovOps(node.kernel),
             stepped_plans=True,  # plans run in virtual time, right after their pass
         )
+        self.agent = build_agent(cfg, ports, hooks)
 
     @contextmanager
     def _world(self) -> Iterator[None]:
