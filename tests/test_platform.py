@@ -258,3 +258,23 @@ def test_check_imports_only_what_it_uses(node: Path) -> None:
         "nodeagent.host.containers",
     }
     assert not loaded & unwanted, sorted(loaded & unwanted)
+
+
+def test_an_unload_finding_its_module_gone_is_done_and_other_errors_still_fail(
+    tmp_path: Path,
+) -> None:
+    """ENOENT: the module is not loaded (an agent killed mid-removal, restarted, meets what
+    its last call took away): the unload's job is done, and a chain goes on past it."""
+    import errno
+
+    from nodeagent.host.kmod import ModuleOpError
+
+    class GoneOps(NoOps):
+        def remove(self, name: str) -> None:  # type: ignore[override]
+            raise ModuleOpError("unload", name, errno.ENOENT if name == "ib_srp" else errno.EPERM)
+
+    act = Actuator(HostRoot(tmp_path), GoneOps(), lambda m: [], first_wait_s=0.001)  # type: ignore[arg-type]
+    gone = act.perform(UnloadModule("storage", "ib_srp", "test"))
+    assert gone.ok and gone.errno is None and gone.detail == (("module", "already unloaded"),)
+    refused = act.perform(UnloadModule("storage", "rpcrdma", "test"))
+    assert not refused.ok and refused.errno == errno.EPERM

@@ -468,3 +468,75 @@ def test_every_verdict_the_guard_gives_is_one_of_its_words() -> None:
     seen |= {"holding", "in-use", "unknown"}  # the other tests' verdicts, by name
     assert seen <= set(GUARD.verdict_words)
     assert set(GUARD.verdict_words) == {"clear", "holding", "blocking", "in-use", "unknown"}
+
+
+# -- convergence after a crash (issue 37): phases, going modules, bounded memory -----------
+
+
+def ready_node(*mods: LoadedModule, now: float) -> NodeSnapshot:
+    return node(*mods, now=now, ready=True)
+
+
+def test_a_removal_backoff_never_delays_the_load_back_owed_once_mofed_is_ready() -> None:
+    d = GUARD.decide(seed_004(1200), GUARD.initial_memory())  # removal planned, intent saved
+    failed = ActionOutcome(d.actions[1], ok=False, errno=16, error="unload rpcrdma: EBUSY")
+    mem = GUARD.absorb(d.memory, failed, 1200)
+    assert mem.retry_at == 1205 and mem.backoff_of == "remove"
+    # MOFED ready at once: rpcrdma went after all (its unload finished), nothing waits.
+    back = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), now=1201), mem)
+    assert [a.module for a in back.actions if isinstance(a, LoadModule)] == ["rpcrdma"]
+    # A load-back that fails backs off itself, counted afresh.
+    (load,) = [a for a in back.actions if isinstance(a, LoadModule)]
+    mem = GUARD.absorb(back.memory, ActionOutcome(load, ok=False, error="load: ENOENT"), 1201)
+    assert (mem.backoff_of, mem.failures, mem.retry_at) == ("load", 1, 1206)
+    again = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), now=1202), mem)
+    assert again.actions == () and again.wake_at == 1206
+
+
+def test_a_memory_saved_before_phases_were_kept_backs_off_both_as_before() -> None:
+    mem = GUARD.memory_from_json(
+        {"removed": ["rpcrdma"], "failures": 1, "retry_at": 1205.0, "last_error": "x"}
+    )
+    assert mem.backoff_of is None
+    d = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), now=1201), mem)
+    assert not [a for a in d.actions if isinstance(a, LoadModule)] and d.wake_at == 1205
+
+
+def going(m: LoadedModule) -> LoadedModule:
+    return replace(m, initstate="going")
+
+
+def test_a_module_already_going_is_not_unloaded_again_and_is_looked_at_soon() -> None:
+    snap = seed_004(1200)
+    mods = {**snap.modules, "rpcrdma": going(snap.modules["rpcrdma"])}
+    d = GUARD.decide(replace(snap, modules=MappingProxyType(mods)), GUARD.initial_memory())
+    unloads = [a.module for a in d.actions if isinstance(a, UnloadModule)]
+    assert "rpcrdma" not in unloads and unloads  # the rest of the chain still goes
+    assert any("rpcrdma being unloaded (going)" in r for r in d.verdict.reasons)
+    assert d.wake_at == 1201.0
+
+
+def test_a_going_module_is_still_owed_its_load_back() -> None:
+    """An agent killed mid-unload: the restarted one sees the module going, MOFED ready.
+    It is not 'loaded, needs nothing': once gone, it is loaded back."""
+    mem = replace(GUARD.initial_memory(), removed=("rpcrdma",))
+    d = GUARD.decide(ready_node(*INBOX, going(mod("rpcrdma")), now=1300), mem)
+    assert d.memory.removed == ("rpcrdma",) and d.wake_at == 1301.0
+    assert not [a for a in d.actions if isinstance(a, LoadModule)]
+    d = GUARD.decide(ready_node(*INBOX, now=1301), d.memory)
+    assert [a.module for a in d.actions if isinstance(a, LoadModule)] == ["rpcrdma"]
+
+
+def test_saved_memory_is_bounded_by_what_the_guard_could_have_written() -> None:
+    many = [f"mod{i}" for i in range(20_000)]
+    with pytest.raises(ValueError, match="removed names 20000 modules"):
+        GUARD.memory_from_json({"removed": many})
+    with pytest.raises(ValueError, match="'ext4', not a storage module"):
+        GUARD.memory_from_json({"removed": ["rpcrdma", "ext4"]})
+    with pytest.raises(ValueError, match="or one twice"):
+        GUARD.memory_from_json({"removed": ["rpcrdma", "rpcrdma"]})
+    ok = GUARD.memory_from_json({"removed": ["rpcrdma", "nvme_rdma", "ib_srp"]})
+    assert ok.removed == ("rpcrdma", "nvme_rdma", "ib_srp")
+    # A module the configured chain names is one the guard could have removed.
+    custom = StorageGuard(StoragePolicy(modules=("rpcrdma", "my_rdma_fs")))
+    assert custom.memory_from_json({"removed": ["my_rdma_fs"]}).removed == ("my_rdma_fs",)

@@ -68,8 +68,12 @@ ALIASES = {"xprtrdma": "rpcrdma"}  # the module is rpcrdma; xprtrdma is its alia
 # What an NVMe-rooted node boots from: never removed (doca-driver-build 479/480).
 NEVER_REMOVE = frozenset({"nvme", "nvme_core", "nvme_fabrics"})
 HOLD_FILE = "etc/modprobe.d/nodeagent-storage-hold.conf"
+# A module seen going is looked at again this soon (its removal uevent wakes the loop too).
+GOING_RECHECK_S = 1.0
 
 StoragePolicyName = Literal["unload", "hold", "off"]
+BackoffPhase = Literal["remove", "load"]
+PHASES: tuple[BackoffPhase, ...] = ("remove", "load")
 POLICIES: tuple[StoragePolicyName, ...] = ("unload", "hold", "off")
 
 
@@ -142,6 +146,10 @@ class StorageMemory:
     failures: int = 0
     retry_at: float | None = None
     last_error: str | None = None
+    # Which phase the backoff holds back: "remove" (the removal, the hold file) or "load"
+    # (the load-back). A load-back owed once MOFED is ready never waits on a removal's
+    # backoff. None (a memory saved before it was kept): both.
+    backoff_of: BackoffPhase | None = None
 
 
 # Saved memory (state.json): one row a StorageMemory field, in the order they are checked;
@@ -154,6 +162,7 @@ MEMORY_FIELDS: tuple[fields.Saved, ...] = (
     fields.Saved("last_error", fields.optional(fields.TEXT)),
     fields.Saved("failures", fields.COUNT, 0),
     fields.Saved("retry_at", fields.optional(fields.TIME)),
+    fields.Saved("backoff_of", fields.optional(fields.word(PHASES))),
 )
 
 
@@ -203,13 +212,36 @@ class StorageGuard:
             "failures": memory.failures,
             "retry_at": memory.retry_at,
             "last_error": memory.last_error,
+            "backoff_of": memory.backoff_of,
         }
 
     def memory_from_json(self, data: Mapping[str, Any]) -> StorageMemory:
         try:
-            return StorageMemory(**fields.read_record(data, MEMORY_FIELDS))
+            memory = StorageMemory(**fields.read_record(data, MEMORY_FIELDS))
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"storage memory is malformed: {exc}") from None
+        # Bounded by what the guard could have written: it only ever records the chain's
+        # top modules it removed, once each (20,000 names would be 20,000 load-backs).
+        could = (*self.policy.roots, *StoragePolicy().roots)
+        if len(memory.removed) > len(set(could)) or len(set(memory.removed)) < len(memory.removed):
+            raise ValueError(
+                f"storage memory is malformed: removed names {len(memory.removed)} modules "
+                f"(or one twice); the guard removes at most {len(set(could))}, once each"
+            )
+        stray = [m for m in memory.removed if m not in could]
+        if stray:
+            raise ValueError(
+                f"storage memory is malformed: removed names {stray[0][:64]!r}, not a storage "
+                "module the guard could have removed"
+            )
+        return memory
+
+    @staticmethod
+    def _backing_off(memory: StorageMemory, phase: BackoffPhase, now: float) -> bool:
+        """Is ``phase`` held back by the backoff of an earlier failure of that phase?"""
+        if memory.retry_at is None or now >= memory.retry_at:
+            return False
+        return memory.backoff_of in (None, phase)
 
     # -- the decision ---------------------------------------------------------
 
@@ -286,10 +318,17 @@ class StorageGuard:
                         "not removing"
                     )
                     order = []
+                # A module already going is being unloaded (by the kernel, for a caller that
+                # may be gone: an agent killed mid-removal): not asked again, looked at again.
+                going = [m for m in order if snap.modules[m].initstate == "going"]
+                if going:
+                    order = [m for m in order if m not in going]
+                    reasons.append(f"{', '.join(going)} being unloaded (going)")
+                    wake_at = snap.now + GOING_RECHECK_S
                 evidence["removal_order"] = order
                 if order and pol.policy != "off":
-                    if memory.retry_at is not None and snap.now < memory.retry_at:
-                        wake_at = memory.retry_at
+                    if self._backing_off(memory, "remove", snap.now):
+                        wake_at = _sooner(wake_at, memory.retry_at)
                     else:
                         if pol.policy == "hold":
                             actions.append(
@@ -331,13 +370,15 @@ class StorageGuard:
                 )
             if ready and memory.removed:
                 # What is loaded needs no loading back (an intent whose removal never
-                # happened, or a module someone else loaded).
-                memory = replace(
-                    memory, removed=tuple(m for m in memory.removed if m not in snap.modules)
-                )
+                # happened, or a module someone else loaded); one going is on its way out
+                # (an unload a killed agent began): it is owed a load-back once gone.
+                live = {m for m, mod in snap.modules.items() if mod.initstate != "going"}
+                memory = replace(memory, removed=tuple(m for m in memory.removed if m not in live))
             if ready and memory.removed and pol.reload and pol.policy != "off":
-                if memory.retry_at is not None and snap.now < memory.retry_at:
-                    wake_at = memory.retry_at
+                if any(m in snap.modules for m in memory.removed):
+                    wake_at = snap.now + GOING_RECHECK_S  # loaded back once its unload ends
+                if self._backing_off(memory, "load", snap.now):
+                    wake_at = _sooner(wake_at, memory.retry_at)
                 else:
                     actions += [
                         LoadModule(
@@ -413,20 +454,27 @@ class StorageGuard:
             done = _DONE.get(type(action))
             if done is not None:
                 memory = done(memory, action, self.policy)
-            return replace(memory, failures=0, retry_at=None, last_error=None)
-        failures = memory.failures + 1
+            return replace(memory, failures=0, retry_at=None, last_error=None, backoff_of=None)
+        phase: BackoffPhase = "load" if isinstance(action, LoadModule) else "remove"
+        # A failure of the other phase starts this one's backoff afresh.
+        failures = (memory.failures if memory.backoff_of in (None, phase) else 0) + 1
         delay = backoff_delay(failures, self.policy.retry_base_s, self.policy.retry_max_s)
         return replace(
             memory,
             failures=failures,
             retry_at=now + delay,
             last_error=outcome.error or f"{action.describe()} failed",
+            backoff_of=phase,
         )
 
     def on_stop(self, memory: StorageMemory) -> tuple[Action, ...]:
         if not memory.holding:
             return ()
         return (RemoveFile(self.name, self.policy.hold_file, "the agent is stopping"),)
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 # A namer: the users of one top module the node names, and what could not be read

@@ -145,8 +145,16 @@ class ModuleExecutor:
                 if exc.errno != errno.ENOENT or i == len(action.trees) - 1:
                     raise
 
-    def unload(self, action: UnloadModule) -> None:
-        self._run("unload", action.module, lambda: self.hands.ops.remove(action.module), False)
+    def unload(self, action: UnloadModule) -> tuple[tuple[str, str], ...] | None:
+        """Unload; a module already gone (ENOENT) has had its unload: done, not failed.
+        (An agent killed mid-removal, restarted, finds what its last call took away.)"""
+        try:
+            self._run("unload", action.module, lambda: self.hands.ops.remove(action.module), False)
+        except StepFailed as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            return (("module", "already unloaded"),)
+        return None
 
 
 class FileExecutor:

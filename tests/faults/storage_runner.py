@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
+import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,7 +27,12 @@ DELETE_S = 0.1
 
 
 class SlowFileKernel:
-    """Module state as ``sys/module/<name>`` directories; removal takes ``DELETE_S``."""
+    """Module state as ``sys/module/<name>`` directories; removal takes ``DELETE_S``.
+
+    As the kernel does: an unload, once begun, is finished whatever happens to its caller
+    (``delete_module`` runs the module's exit; a SIGKILL lands after), so the directory
+    goes in a process of its own, and meanwhile reads ``going``; a second unload of a
+    going module is EBUSY, of a missing one ENOENT."""
 
     def __init__(self, root: Path, die_after: int | None = None) -> None:
         self.sys = root / "sys/module"
@@ -39,10 +43,15 @@ class SlowFileKernel:
         if self.die_after == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         d = self.sys / name
-        if not d.is_dir():
-            raise ModuleOpError("unload", name, errno.ENOENT)
-        time.sleep(DELETE_S)
-        shutil.rmtree(d)
+        try:
+            state = (d / "initstate").read_text().strip()
+        except FileNotFoundError:
+            raise ModuleOpError("unload", name, errno.ENOENT) from None
+        if state != "live":
+            raise ModuleOpError("unload", name, errno.EBUSY)
+        (d / "initstate").write_text("going\n")
+        unload = ["sh", "-c", 'sleep "$1"; rm -rf -- "$2"', "sh", str(DELETE_S), str(d)]
+        subprocess.run(unload, start_new_session=True, check=True)
         self.removed += 1
         if self.die_after is not None and self.removed >= self.die_after:
             os.kill(os.getpid(), signal.SIGKILL)
