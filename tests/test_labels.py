@@ -211,3 +211,67 @@ def test_a_clean_stop_removes_the_labels(node: Path) -> None:
     agent.stop()
     thread.join(WAIT)
     assert not thread.is_alive() and not f.exists()
+
+
+@pytest.mark.parametrize("odd", ["symlink", "fifo", "directory"])
+def test_something_in_place_of_the_file_is_never_followed_and_replaced_if_it_can_be(
+    node: Path, odd: str
+) -> None:
+    """NFD follows a symlink named ``nodeagent`` (labels from any file, an old "open"
+    gate) and blocks reading a FIFO. The write is refused, never through it; what is not
+    a directory is removed, so the next pass writes the real labels."""
+    f = node / FEATURES / "nodeagent"
+    forged = f"{P}/nodeagent-peermem-gate=open\n"
+    (node / "forged").write_text(forged)
+    if odd == "symlink":
+        f.symlink_to(node / "forged")
+    elif odd == "fifo":
+        os.mkfifo(f)
+    else:
+        f.mkdir()
+    (node / READY).unlink()  # the gate is closed: the forged "open" must not stand
+    agent = agent_on(node)
+    try:
+        agent.run_once()
+        first = json.loads((node / "run/nodeagent/status.json").read_text())["problems"]
+        agent.run_once()
+        second = json.loads((node / "run/nodeagent/status.json").read_text())["problems"]
+    finally:
+        agent.close()
+    assert [p for p in first if p.startswith(f"node labels not written ({FEATURES}/nodeagent")]
+    assert (node / "forged").read_text() == forged
+    if odd == "directory":
+        assert f.is_dir() and [p for p in second if p.startswith("node labels not written")]
+    else:
+        assert not f.is_symlink() and f.is_file()
+        assert read_labels(node)[f"{P}/nodeagent-peermem-gate"] == "closed"
+        assert not [p for p in second if p.startswith("node labels not written")]
+
+
+def test_labels_that_cannot_be_rewritten_are_removed_not_left_to_expire(
+    node: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails (a full disk) leaves no older labels standing: a gate "open"
+    while it has closed would hold until the expiry."""
+    agent = agent_on(node)
+    try:
+        agent.run_once()
+        f = node / FEATURES / "nodeagent"
+        assert read_labels(node)[f"{P}/nodeagent-peermem-gate"] == "open"
+        host = agent.exporters.get("labels").file.host
+        real_write = host.write_atomic
+
+        def write(rel: str, *a: Any, **k: Any) -> bool:
+            if rel.endswith("features.d/nodeagent"):
+                raise OSError(28, "No space left on device")
+            return bool(real_write(rel, *a, **k))
+
+        monkeypatch.setattr(host, "write_atomic", write)
+        (node / READY).unlink()
+        agent.run_once()
+        assert not f.exists()
+        monkeypatch.setattr(host, "write_atomic", real_write)
+        agent.run_once()
+        assert read_labels(node)[f"{P}/nodeagent-peermem-gate"] == "closed"
+    finally:
+        agent.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -352,7 +353,7 @@ def test_a_fifo_directory_or_symlink_is_unknown_and_never_blocks(
 def test_a_condition_file_of_any_bytes(tmp_path: Path, content: bytes) -> None:
     root = npd_dir(tmp_path, good_heartbeat(), content)
     code, out = condition("peermem", root)
-    assert code in (0, 1, 3) and len(out) <= OUT_MAX
+    assert code in (0, 1, 3) and len(out) <= OUT_MAX and out.isascii() and out.isprintable()
     if code != 3:  # only what the agent writes is OK or a problem
         assert b"version=1" in content and f"boot_id={_boot()}".encode() in content
 
@@ -377,3 +378,318 @@ def test_npd_files_that_cannot_be_written_are_a_problem_and_the_pass_goes_on(
     (problem,) = [p for p in status["problems"] if "node-problem-detector" in p]
     assert problem.startswith("node-problem-detector files not written (run/nodeagent/npd")
     assert result.verdicts["peermem"].ok and (root / "run/nodeagent/peermem.gate").exists()
+
+
+# -- the plugin under each shell: numbers, events, odd files --------------------------------
+#
+# NPD runs the plugin with its container's /bin/sh (dash on NPD's Debian image); the
+# shells at hand run it too, as sh would on another image. NPD turns any exit of a
+# temporary rule but 0 into a Warning event, a crash included: an event rule exits 1
+# for a recent event and 0 for anything else.
+
+SHELLS = {
+    name: argv
+    for name, argv in (
+        ("dash", ["dash"]),
+        ("sh", ["sh"]),
+        ("bash-posix", ["bash", "--posix"]),
+        ("busybox-sh", ["busybox", "sh"]),
+    )
+    if shutil.which(argv[0])
+}
+EVENT = "vf-degraded"
+
+
+@pytest.fixture(params=sorted(SHELLS))
+def shell(request: pytest.FixtureRequest) -> list[str]:
+    return SHELLS[request.param]
+
+
+def run_plugin(shell: list[str], root: Path, *args: str) -> tuple[int, str]:
+    """The plugin run by ``shell``: (exit code, its line); a shell error fails the test."""
+    d = str(root / "run/nodeagent/npd")
+    try:
+        p = subprocess.run(
+            [*shell, str(PLUGIN), "-d", d, *args], capture_output=True, text=True, timeout=WAIT
+        )
+    except subprocess.TimeoutExpired:
+        return 3, "timeout"
+    assert p.stderr == "", p.stderr  # "Illegal number", "arithmetic expression" ...
+    assert p.stdout.count("\n") == 1 and len(p.stdout) <= OUT_MAX + 1, p.stdout
+    out = p.stdout.rstrip("\n")
+    assert out.isascii() and out.isprintable(), out
+    return p.returncode, out
+
+
+def write_event(root: Path, at: str, message: str = "VFs degraded: PF 1 VF 3") -> None:
+    d = root / "run/nodeagent/npd/events"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / EVENT).write_text(f"version=1\nboot_id={_boot()}\nat={at}\nmessage={message}\n")
+
+
+def heartbeat_of(beat: str) -> str:
+    return f"version=1\nboot_id={_boot()}\nbeat={beat}\n"
+
+
+@pytest.mark.parametrize(
+    ("ahead", "code", "words"),
+    [(1000, 0, "ahead of this clock"), (10**9, 0, "ahead of this clock"),
+     (1, 1, "VFs degraded"), (0, 1, "VFs degraded"), (-5, 1, "VFs degraded"),
+     (-100, 0, "no recent")],
+)  # fmt: skip
+def test_an_event_ahead_of_the_clock_is_not_recent(
+    tmp_path: Path, shell: list[str], ahead: int, code: int, words: str
+) -> None:
+    """As the heartbeat: a time past now + 2 s (the clocks' whole-second rounding) is no
+    time this boot has reached, so no event for as long as the file stays."""
+    if _uptime() + ahead < 0:
+        pytest.skip("the machine booted less than 100 s ago")
+    root = npd_dir(tmp_path, good_heartbeat(), None)
+    write_event(root, str(_uptime() + ahead))
+    got = run_plugin(shell, root, "-w", "20", "event", EVENT)
+    assert got[0] == code and words in got[1], got
+
+
+@pytest.mark.parametrize(
+    ("beat", "alive"),
+    [(lambda: f"0{_uptime()}", True), (lambda: "0" * 40 + str(_uptime()), True),
+     (lambda: str(_uptime() + 2), True), ("08", False), ("09", False), ("0", False),
+     ("", False), ("9" * 13, False), ("9" * 40, False), (lambda: f"+{_uptime()}", False),
+     (lambda: f"-{_uptime()}", False), (lambda: f" {_uptime()}", False),
+     (lambda: f"{_uptime()} ", False), (lambda: f"0x{_uptime():x}", False),
+     (lambda: f"{_uptime()}.5", False), (lambda: f"{_uptime()}\r", False),
+     ("$((1/0))", False), ("`reboot`", False)],
+)  # fmt: skip
+def test_heartbeat_numbers_are_decimal_text_never_shell_arithmetic(
+    tmp_path: Path, shell: list[str], beat: Any, alive: bool
+) -> None:
+    """``beat=08`` is 8 (dash's arithmetic took it for octal: "Illegal number", exit 2,
+    which NPD's temporary rules raise as an event); more than 12 digits, a sign, a
+    space, anything else is unreadable: Unknown for a condition, no event."""
+    root = npd_dir(tmp_path, heartbeat_of(beat() if callable(beat) else beat), good_condition())
+    write_event(root, str(_uptime()))
+    code, out = run_plugin(shell, root, "-a", "5", "condition", "peermem")
+    assert (code, out) == (0, "peermem open") if alive else code == 3, (code, out)
+    code, out = run_plugin(shell, root, "-w", "20", "event", EVENT)
+    assert code == (1 if alive else 0), (code, out)
+
+
+@pytest.mark.parametrize(
+    ("at", "code"),
+    [(lambda: f"0{_uptime()}", 1), (lambda: "0" * 40 + str(_uptime()), 1), ("08", 0),
+     ("0", 0), ("", 0), ("9" * 13, 0), (lambda: f"-{_uptime()}", 0),
+     (lambda: f"+{_uptime()}", 0), (lambda: f"{_uptime()} ", 0), ("x", 0)],
+)  # fmt: skip
+def test_event_times_are_decimal_text_and_an_unreadable_one_is_no_event(
+    tmp_path: Path, shell: list[str], at: Any, code: int
+) -> None:
+    root = npd_dir(tmp_path, good_heartbeat(), None)
+    write_event(root, at() if callable(at) else at)
+    assert run_plugin(shell, root, "-w", "20", "event", EVENT)[0] == code
+
+
+@pytest.mark.parametrize(("a", "w"), [("05", "020"), ("0005", "00000000000020")])
+def test_options_are_decimal_text_too(tmp_path: Path, shell: list[str], a: str, w: str) -> None:
+    root = npd_dir(tmp_path, heartbeat_of(str(_uptime() - 2)), good_condition())
+    write_event(root, str(_uptime() - 10))
+    assert run_plugin(shell, root, "-a", a, "condition", "peermem") == (0, "peermem open")
+    assert run_plugin(shell, root, "-w", w, "event", EVENT)[0] == 1
+    for bad in ("9" * 13, "-1", "", "08x"):
+        assert run_plugin(shell, root, "-a", bad, "condition", "peermem")[0] == 3
+
+
+def test_a_message_of_any_bytes_comes_out_as_one_printable_line(
+    tmp_path: Path, shell: list[str]
+) -> None:
+    """The agent writes printable ASCII (one_line); a file with other bytes (a terminal
+    escape, UTF-8, a NUL, a CR) still gives NPD one printable line of at most 80."""
+    cond = (
+        good_condition("problem")
+        .encode()
+        .replace(b"message=peermem open", b"message=\x1b[31mred\x00\xc3\xa9\rx" + b"y" * 200)
+    )
+    root = npd_dir(tmp_path, good_heartbeat(), cond)
+    code, out = run_plugin(shell, root, "condition", "peermem")
+    assert code == 1 and out.startswith(" [31mred") and len(out) == OUT_MAX, out
+
+
+@pytest.mark.parametrize(
+    "heartbeat",
+    [lambda: good_heartbeat().replace("\n", "\r\n"), lambda: good_heartbeat().replace("\n", "\r"),
+     lambda: good_heartbeat().replace("beat=", "beat ="),
+     lambda: "x" * 5000 + good_heartbeat()],
+)  # fmt: skip
+def test_a_heartbeat_not_as_the_agent_writes_it_is_not_running(
+    tmp_path: Path, shell: list[str], heartbeat: Callable[[], str]
+) -> None:
+    """CRLF or CR lines, a key not spelled as the agent does, the real lines past the
+    4 KiB read: no fresh heartbeat (a NUL is dropped, as dash drops it)."""
+    root = npd_dir(tmp_path, heartbeat(), good_condition())
+    write_event(root, str(_uptime()))
+    assert run_plugin(shell, root, "condition", "peermem")[0] == 3
+    assert run_plugin(shell, root, "event", EVENT)[0] == 0
+
+
+@pytest.mark.parametrize("link", ["npd", "events"])
+def test_a_symlinked_directory_is_never_read_through(
+    tmp_path: Path, shell: list[str], link: str
+) -> None:
+    """Files the agent never wrote (it refuses a symlink on its way) are not read: a
+    symlinked DIR is no heartbeat, a symlinked events/ no event."""
+    real = tmp_path / "elsewhere"
+    npd_dir(real, good_heartbeat(), good_condition())
+    write_event(real, str(_uptime()))
+    d = tmp_path / "run/nodeagent/npd"
+    if link == "npd":
+        d.parent.mkdir(parents=True)
+        d.symlink_to(real / "run/nodeagent/npd")
+        code, out = run_plugin(shell, tmp_path, "condition", "peermem")
+        assert code == 3 and "not running" in out, out
+    else:
+        npd_dir(tmp_path, good_heartbeat(), good_condition())
+        d.joinpath("events").symlink_to(real / "run/nodeagent/npd/events")
+        assert run_plugin(shell, tmp_path, "condition", "peermem") == (0, "peermem open")
+    assert run_plugin(shell, tmp_path, "event", EVENT)[0] == 0
+
+
+@pytest.mark.parametrize("odd", ["fifo", "directory", "symlink"])
+def test_an_event_file_that_is_a_fifo_directory_or_symlink_is_no_event_and_never_blocks(
+    tmp_path: Path, shell: list[str], odd: str
+) -> None:
+    root = npd_dir(tmp_path, good_heartbeat(), None)
+    write_event(root, str(_uptime()))
+    f = root / "run/nodeagent/npd/events" / EVENT
+    f.rename(f.with_name("real"))
+    if odd == "fifo":
+        os.mkfifo(f)
+    elif odd == "directory":
+        f.mkdir()
+    else:
+        f.symlink_to("real")
+    assert run_plugin(shell, root, "event", EVENT) == (0, f"no {EVENT} event")
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    beat=st.text(alphabet="0123456789 +-x\t\r", max_size=24),
+    junk=st.binary(max_size=300),
+)
+def test_an_event_rule_exits_1_only_for_a_recent_event(
+    tmp_path: Path, beat: str, junk: bytes
+) -> None:
+    """Whatever the heartbeat's number or the event file's bytes: 0, or 1 for an event
+    file as the agent writes it; never 2 (a shell error) or 3, which NPD would raise."""
+    root = npd_dir(tmp_path, heartbeat_of(beat), None)
+    d = root / "run/nodeagent/npd/events"
+    d.mkdir(exist_ok=True)
+    (d / EVENT).write_bytes(junk)
+    code, _out = run_plugin(["dash"] if "dash" in SHELLS else ["sh"], root, "event", EVENT)
+    assert code == 0
+    write_event(root, str(_uptime()))
+    code, _out = run_plugin(["dash"] if "dash" in SHELLS else ["sh"], root, "event", EVENT)
+    assert code in (0, 1)
+
+
+# -- the agent's side: no file vouches for what it could not write ---------------------------
+
+
+def npd_files(root: Path) -> Any:
+    from nodeagent.host.conditions import NpdFiles
+    from nodeagent.host.fs import HostRoot
+
+    return NpdFiles(HostRoot(root), "run/nodeagent")
+
+
+def three(peermem_ok: bool = True, storage_ok: bool = True) -> dict[str, Verdict]:
+    return {
+        "peermem": Verdict("peermem", "open" if peermem_ok else "closed", peermem_ok,
+                           () if peermem_ok else ("MOFED not ready",)),
+        "storage": Verdict("storage", "clear" if storage_ok else "in-use", storage_ok,
+                           () if storage_ok else ("rpcrdma is in use",)),
+        "sriov": Verdict("sriov", "stable", True, ()),
+    }  # fmt: skip
+
+
+def test_no_heartbeat_before_this_runs_first_publish(tmp_path: Path) -> None:
+    """A previous run's files of this boot (its verdicts) are not made current by a new
+    run's loop beating before its first pass published (a pass that keeps failing)."""
+    old = npd_files(tmp_path)
+    old.publish(three())
+    old.stop()  # a clean stop: no heartbeat; the condition files stay
+    new = npd_files(tmp_path)
+    new.beat()
+    assert not (tmp_path / "run/nodeagent/npd/heartbeat").exists()
+    assert condition("storage", tmp_path)[0] == 3
+    assert new.publish(three(storage_ok=False)) is None
+    new.beat()
+    assert condition("storage", tmp_path) == (1, "storage in-use: rpcrdma is in use")
+
+
+@pytest.mark.parametrize("odd", ["directory", "fifo", "symlink"])
+def test_a_guards_file_that_cannot_be_written_is_unknown_and_the_others_are_written(
+    tmp_path: Path, odd: str
+) -> None:
+    """Something in the place of peermem's file: its write is refused (a problem), the
+    storage and sriov files are written anyway (not left at a previous run's verdict
+    behind a fresh heartbeat), and what can be removed is, for the next pass to write."""
+    old = npd_files(tmp_path)
+    old.publish(three())  # storage ok, of this boot
+    d = tmp_path / "run/nodeagent/npd"
+    (d / "peermem").unlink()
+    (tmp_path / "outside").write_text(good_condition())
+    if odd == "directory":
+        (d / "peermem").mkdir()
+    elif odd == "fifo":
+        os.mkfifo(d / "peermem")
+    else:
+        (d / "peermem").symlink_to(tmp_path / "outside")
+    files = npd_files(tmp_path)
+    problem = files.publish(three(storage_ok=False))
+    assert problem is not None and problem.startswith(
+        "node-problem-detector files not written (run/nodeagent/npd: peermem: "
+    ), problem
+    assert condition("peermem", tmp_path)[0] == 3
+    assert condition("storage", tmp_path) == (1, "storage in-use: rpcrdma is in use")
+    assert (tmp_path / "outside").read_text() == good_condition()  # never followed
+    again = files.publish(three(storage_ok=False))
+    if odd == "directory":  # never removed: Unknown, a problem each pass
+        assert again is not None and (d / "peermem").is_dir()
+        assert condition("peermem", tmp_path)[0] == 3
+    else:
+        assert again is None and condition("peermem", tmp_path) == (0, "peermem open")
+
+
+def test_a_stale_file_that_can_be_neither_written_nor_removed_withholds_the_heartbeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old "ok" that stays (say an immutable file) must not read as current: no
+    heartbeat while it stands, so every condition is Unknown, never that stale OK."""
+    files = npd_files(tmp_path)
+    files.publish(three())
+    host = files.host
+    real_write, real_remove = host.write_atomic, host.remove
+    stuck = "run/nodeagent/npd/peermem"
+
+    def write(rel: str, *a: Any, **k: Any) -> bool:
+        if rel == stuck:
+            raise PermissionError(1, "Operation not permitted")
+        return bool(real_write(rel, *a, **k))
+
+    def remove(rel: str) -> bool:
+        if rel == stuck:
+            raise PermissionError(1, "Operation not permitted")
+        return bool(real_remove(rel))
+
+    monkeypatch.setattr(host, "write_atomic", write)
+    monkeypatch.setattr(host, "remove", remove)
+    problem = files.publish(three(peermem_ok=False))
+    assert problem is not None and "heartbeat: withheld: peermem" in problem, problem
+    files.beat()
+    assert not (tmp_path / "run/nodeagent/npd/heartbeat").exists()
+    assert condition("peermem", tmp_path)[0] == 3 and condition("sriov", tmp_path)[0] == 3
+    monkeypatch.setattr(host, "write_atomic", real_write)
+    monkeypatch.setattr(host, "remove", real_remove)
+    assert files.publish(three(peermem_ok=False)) is None
+    assert condition("peermem", tmp_path) == (1, "peermem closed: MOFED not ready")

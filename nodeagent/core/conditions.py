@@ -14,8 +14,13 @@ publishes under ``<state dir>/npd/``, and this module says what that is:
 - ``events/<kind>``: the last time (``at``) something worth a Warning event
   happened (``EVENT_KINDS``), with its ``message``.
 
-The plugin exits 0 (OK), 1 (problem) or 3 (Unknown: no heartbeat, a stale one,
-another boot, a file it cannot parse), as NPD reads exit codes. Pure.
+For a condition the plugin exits 0 (OK), 1 (problem) or 3 (Unknown: no
+heartbeat, a stale one or one ahead of the clock, another boot, a file it
+cannot parse), as NPD reads exit codes. NPD raises a Warning for any exit but
+0 of a temporary rule, so for an event it exits 1 only for one of this boot at
+most its window old and not ahead of the clock, else 0. Times are whole
+seconds in decimal (the plugin drops leading zeros and refuses more than 12
+digits). Pure.
 """
 
 from __future__ import annotations

@@ -4,13 +4,17 @@ Written atomically through ``write_atomic`` (``.nodeagent.tmp.<pid>``, a
 dot-file NFD ignores, then renamed into place), only when a label changes or
 half of the expiry has passed, and only into a directory that exists: a
 missing or unwritable features.d is a problem named on the pass, never created
-and never a reason to hold a gate. Removed at a clean stop: a stale ``ok``
-label is worse than none (NFD drops the labels at its next discovery, at once
-with its features.d watch since v0.19, else within its 60 s sleep interval).
+and never a reason to hold a gate. A write that fails removes the file it
+could not replace (older labels are not left to stand until they expire, and a
+symlink or FIFO planted in its place is gone for the next pass's write).
+Removed at a clean stop: a stale ``ok`` label is worse than none (NFD drops
+the labels at its next discovery, at once with its features.d watch since
+v0.19, else within its 60 s sleep interval).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -56,6 +60,7 @@ class FeatureFile:
             self.host.write_atomic(self.rel, features_file(labels, expires).encode())
         except (OSError, NodeagentError) as exc:
             self._labels = None
+            self._withdraw()
             return self._say(f"node labels not written ({self.rel}: {reason(exc)})")
         self._labels, self._expires = dict(labels), now + self.expiry
         self._ident = self.host.file_fact(self.rel).ident
@@ -68,6 +73,13 @@ class FeatureFile:
             self.host.remove(self.rel)
         except (OSError, NodeagentError) as exc:
             log.warning("node labels left in %s: %s", self.rel, reason(exc))
+
+    def _withdraw(self) -> None:
+        """After a failed write: no file of ours rather than an old one (its labels may
+        be stale until it expires), and whatever stood in its place (a symlink NFD would
+        follow, a FIFO) gone for the next write; never followed, a directory stays."""
+        with contextlib.suppress(OSError, NodeagentError):
+            self.host.remove(self.rel)
 
     def _check_dir(self) -> None:
         """The directory exists (NFD's hostPath); the agent never creates it."""
