@@ -179,6 +179,28 @@ def test_orphaned_temp_files_of_killed_writes_are_removed_at_start(root: Path) -
     assert all(f.exists() for f in kept) and (state / ".evil.tmp.9").is_symlink()
 
 
+def test_orphaned_temp_files_of_exporters_are_removed_at_start_and_only_their_own(
+    root: Path,
+) -> None:
+    """NPD's directory is the agent's own: every killed write's temp file there goes. NFD's
+    features.d is shared with other writers: only temps of the agent's own file go."""
+    features = root / "etc/kubernetes/node-feature-discovery/features.d"
+    npd = root / "run/nodeagent/npd"
+    (npd / "events").mkdir(parents=True)
+    features.mkdir(parents=True)
+    orphans = [npd / ".heartbeat.tmp.7", npd / "events/.PeermemLoadFailed.tmp.3"]
+    orphans += [features / ".nodeagent.tmp.4242"]
+    kept = [features / ".gpu-features.tmp.12"]  # another writer's, mid-write for all we know
+    for f in orphans + kept:
+        f.write_text("half a write")
+    config = root / "agent.toml"
+    config.write_text("[labels]\nnfd = true\n\n[npd]\nenabled = true\n")
+    p = run_once(root, "--config", str(config))
+    assert p.returncode in (0, 1), p.stderr
+    assert [f.name for f in orphans if f.exists()] == []
+    assert all(f.exists() for f in kept)
+
+
 def test_the_lock_holds_when_its_pid_cannot_be_written(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

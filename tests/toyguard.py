@@ -10,7 +10,7 @@ in adds one entry to the guard list and changes nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,8 +103,8 @@ class ToySide(GuardSide):
 
     status_key = "toy"
 
-    def written_dirs(self) -> Sequence[str]:
-        return ("etc/toy",)
+    def writes(self) -> Mapping[str, Collection[str] | None]:
+        return {"etc/toy": None}  # every file there is its own
 
     def executors(self) -> Sequence[Callable[[Any], Any]]:
         side = self

@@ -7,7 +7,7 @@ gate. A guard that needs more from the node brings it here, through one
 ``GuardSide`` named in its registry entry (``guards/registry.py``):
 
 - ``readers()``: facts the observer cannot read by itself (SR-IOV over
-  netlink), by ``Readers`` field; ``written_dirs()``: where it writes files;
+  netlink), by ``Readers`` field; ``writes()``: where it writes files;
 - ``executors()``: actions of its own kinds (a VF restore);
 - ``start()`` before the first pass, ``stop()`` before the stop actions,
   ``close()`` last;
@@ -26,7 +26,7 @@ The loop calls every hook of every side the same way and names no guard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,10 +71,11 @@ class GuardSide:
     def readers(self) -> Mapping[str, Callable[[], Any]]:
         return {}
 
-    def written_dirs(self) -> Sequence[str]:
-        """Directories it writes files in atomically: what a killed write left there
-        (``write_atomic``'s temp files) is removed at start, with the agent's own."""
-        return ()
+    def writes(self) -> Mapping[str, Collection[str] | None]:
+        """Where it writes files atomically: directory -> its own file names there (None:
+        every file there is its own). What a killed write left (``write_atomic``'s temp
+        files) is removed at start, with the agent's own."""
+        return {}
 
     def executors(self) -> Sequence[Callable[[NodeHands], Executor]]:
         return ()

@@ -9,7 +9,7 @@ configuration before MOFED's reload took it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.core.reconcile import AgentMemory
@@ -38,8 +38,9 @@ class SriovSide(GuardSide):
     def readers(self) -> Mapping[str, Callable[[], Any]]:
         return {"sriov": self.observer.read}
 
-    def written_dirs(self) -> Sequence[str]:
-        return (self.ctx.paths.sriov_snapshot.rpartition("/")[0],)
+    def writes(self) -> Mapping[str, Collection[str] | None]:
+        parent, _, name = self.ctx.paths.sriov_snapshot.rpartition("/")
+        return {parent: (name,)}
 
     def executors(self) -> Sequence[Callable[[NodeHands], Executor]]:
         return (lambda hands: SriovExecutor(hands.host, self.ops),)

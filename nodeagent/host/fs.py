@@ -25,7 +25,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -412,12 +412,19 @@ class HostRoot:
         finally:
             os.close(dfd)
 
-    def remove_orphaned_temps(self, rel: str) -> list[str]:
+    def remove_orphaned_temps(self, rel: str, only: Collection[str] | None = None) -> list[str]:
         """Remove what killed writers left in directory ``rel``: ``write_atomic``'s temp
-        files (``.<name>.tmp.<pid>``, regular files only, never followed). Call it holding
-        the single-agent lock, so no live writer's file goes. Returns the names removed."""
+        files (``.<name>.tmp.<pid>``, regular files only, never followed); with ``only``,
+        just those of these file names (a directory shared with other writers). Call it
+        holding the single-agent lock, so no live writer's file goes. Returns the names
+        removed."""
         try:
-            names = [n for n in self.listdir(rel, strict=True) if _ORPHAN_TEMP.fullmatch(n)]
+            names = [
+                n
+                for n in self.listdir(rel, strict=True)
+                if _ORPHAN_TEMP.fullmatch(n)
+                and (only is None or n[1:].rpartition(".tmp.")[0] in only)
+            ]
             if not names:
                 return []
             dfd = self.open_dir(rel, create=False)

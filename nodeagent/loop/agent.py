@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -217,8 +217,13 @@ class Agent:
         """What a killed write left behind (``write_atomic``'s temp files) in the agent's own
         directories; ``run`` holds the single-agent lock, so no live writer's file goes."""
         paths = self.cfg.paths
-        sides = (d for side in self.sides.values() for d in side.written_dirs())
-        for d in {paths.state_dir, paths.timeline_dir, *sides}:
-            removed = self.host.remove_orphaned_temps(d) if d else []
+        own: list[tuple[str, Collection[str] | None]] = [
+            (paths.state_dir, None),
+            (paths.timeline_dir, None),
+            *(w for side in self.sides.values() for w in side.writes().items()),
+            *self.exporters.writes(),
+        ]
+        for d, only in own:
+            removed = self.host.remove_orphaned_temps(d, only) if d else []
             if removed:
                 log.info("removed what killed writes left in %s: %s", d, removed)

@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
-from nodeagent.core.labels import node_labels
+from nodeagent.core.labels import FILE_NAME, node_labels
 from nodeagent.guards.registry import GUARDS, GuardEntry, build_reconciler
 from nodeagent.host.conditions import NpdFiles
 from nodeagent.host.fs import HostRoot
@@ -65,6 +65,11 @@ class Exporter:
 
     def close(self) -> None:
         return None
+
+    def writes(self) -> Mapping[str, Collection[str] | None]:
+        """Where it writes files atomically (as ``GuardSide.writes``): a killed write's
+        temp files there are removed at start."""
+        return {}
 
 
 class Exporters:
@@ -126,6 +131,13 @@ class Exporters:
         for e in self.exporters:
             e.close()
 
+    def writes(self) -> list[tuple[str, Collection[str] | None]]:
+        out: list[tuple[str, Collection[str] | None]] = []
+        for e in self.exporters:
+            if hasattr(e, "writes"):
+                out += e.writes().items()
+        return out
+
 
 # -- the exporters -------------------------------------------------------------
 
@@ -144,6 +156,9 @@ class LabelsExporter(Exporter):
 
     def stop(self) -> None:
         self.file.remove()  # a stale "ok" label is worse than none
+
+    def writes(self) -> Mapping[str, Collection[str] | None]:
+        return {self.file.dir: (FILE_NAME,)}  # features.d is NFD's: only our file's temps
 
 
 class NpdExporter(Exporter):
@@ -167,6 +182,9 @@ class NpdExporter(Exporter):
 
     def stop(self) -> None:
         self.files.stop()  # no heartbeat: NPD's conditions read Unknown, not a stale OK
+
+    def writes(self) -> Mapping[str, Collection[str] | None]:
+        return {self.files.dir: None, f"{self.files.dir}/events": None}  # all its own
 
 
 @dataclass(frozen=True)
