@@ -6,6 +6,13 @@ with the seed-001 race's evidence near the end), then ``nodeagent explain
 child's ru_maxrss), beside the same for a log a tenth of the size (memory must
 not grow with the input).
 
+Then the same for a hostile log of each size (issue 37: lines anyone can write with
+``logger``, each with an evidence word so no chunk is skipped): runs of ``/sys/``
+(the reported shape, 0.5 MB/s before the patterns were made linear), the same
+ended by `` /net not found`` (the signature's own ending, so it is searched),
+callback names repeated, and ``VF restore`` before a run of dashes. Its rate is
+printed next to the normal one: they must be of the same order.
+
     .venv/bin/python bench/explain.py [--size 1G]
 """
 
@@ -35,14 +42,24 @@ EVIDENCE = (
     b"Invalid argument\n"
 )
 
+HOSTILE = [
+    b"/sys/" * 800 + b" peermem\n",
+    b"/sys/" * 800 + b" /net not found peermem\n",
+    b"nv_get_p2p_free_callback" * 165 + b" peermem\n",
+    b"VF restore" + b"-" * 4000 + b" peermem\n",
+]
+
 
 def size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def make_log(path: Path, n: int) -> None:
-    block = b"".join(line % (i % 60) for i in range(300) for line in LINES)
+def make_log(path: Path, n: int, hostile: bool = False) -> None:
+    if hostile:
+        block = b"".join(HOSTILE) * 64
+    else:
+        block = b"".join(line % (i % 60) for i in range(300) for line in LINES)
     with path.open("wb") as fh:
         written = 0
         while written < n:
@@ -74,15 +91,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = size(args.size)
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         for each in (n // 10, n):
-            log = Path(tmp) / "journal.log"
-            make_log(log, each)
-            actual = log.stat().st_size
-            took, peak, kinds = run(log)
-            print(
-                f"{actual / 1e6:,.0f} MB: {took:.1f} s, {actual / 1e6 / took:,.0f} MB/s, "
-                f"peak RSS {peak:.0f} MiB (so far, this process's children), found {kinds}"
-            )
-            log.unlink()
+            rates = []
+            for hostile in (False, True):
+                log = Path(tmp) / "journal.log"
+                make_log(log, each, hostile)
+                actual = log.stat().st_size
+                took, peak, kinds = run(log)
+                rates.append(actual / 1e6 / took)
+                print(
+                    f"{'hostile' if hostile else 'normal ':7} {actual / 1e6:,.0f} MB: "
+                    f"{took:.1f} s, {rates[-1]:,.0f} MB/s, peak RSS {peak:.0f} MiB "
+                    f"(so far, this process's children), found {kinds}"
+                )
+                log.unlink()
+            print(f"        hostile/normal rate: {rates[1] / rates[0]:.2f}")
     return 0
 
 

@@ -10,6 +10,14 @@ Lines are matched after ``normalize`` takes off what tools put in front of
 them: ``kubectl logs --timestamps`` (RFC 3339), ``dmesg`` (``[  12.345678]``)
 and ``dmesg -T`` (``[Tue Sep  8 17:16:02 2026]``), ``journalctl``
 (``Nov 21 11:51:41 host kernel: ``), CR and ANSI colour codes.
+
+Every pattern runs in time linear in the line (a line is at most ``LINE_MAX``
+characters, and anyone can write one into the journal with ``logger``): no two
+unbounded repeats that can take the same text, no unbounded repeat that can
+re-run over the literal before it when ``search`` restarts there (the shape
+``/sys/\\S*/net``: every ``/sys/`` in a long run scanned the rest of the run, 0.5
+MB/s), no unbounded repeat of a group holding one. tests/test_explain_linear.py
+checks each pattern's shape and times hostile lines built from its pieces.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ _PREFIXES = (
     re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)\s+"),  # kubectl
     re.compile(r"^\[\s*\d+\.\d+\]\s*"),  # dmesg
     re.compile(r"^\[[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\]\s*"),  # dmesg -T
-    re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S+ [^:\s]+(?:\[\d+\])?:\s*"),  # journal
+    # journal; ++: a run given back never lets the rest match (it stops at the space,
+    # or at the ':' that ends the prefix)
+    re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S++ [^:\s]++(?:\[\d+\])?:\s*"),
 )
 # Cheap before any per-line work: a chunk without one of these words (lower-cased) has
 # no evidence. Plain substring tests: a case-insensitive regex alternation runs at
@@ -59,9 +69,27 @@ def normalize(line: str) -> str:
 
 @dataclass(frozen=True)
 class Signature:
+    """One form of a signature: a name may have several forms (entries), any one of which
+    makes the line its evidence."""
+
     name: str
     pattern: re.Pattern[str]
     source: str  # the seed or public report it came from
+    # Lower-case words one of which is in every line the pattern matches (of the line
+    # lower-cased: `in` tests, far cheaper than a search): the pattern is searched only
+    # in a line with one of them.
+    needs: tuple[str, ...]
+    # The pattern is written reversed and searched in the reversed line: a form whose
+    # fixed text is at its end (``/sys/\S*/net/? not found``) is then read from that
+    # text, one scan of the path before it, not one scan per ``/sys/`` in it.
+    backward: bool = False
+
+    def found_in(self, line: str, low: str) -> bool:
+        """``low``: ``line.lower()`` (once per line, by the caller)."""
+        for word in self.needs:
+            if word in low:
+                return self.pattern.search(line[::-1] if self.backward else line) is not None
+        return False
 
 
 SIGNATURES: tuple[Signature, ...] = (
@@ -69,54 +97,93 @@ SIGNATURES: tuple[Signature, ...] = (
         "peermem-einval",
         re.compile(r"could not insert '?nvidia[_-]peermem'?: Invalid argument"),
         "seeds 000-002; NVIDIA/gpu-operator issue 2868",
+        ("could not insert",),
     ),
     Signature(
         "peermem-symbol-crc",
         re.compile(r"nvidia[_-]peermem: disagrees about version of symbol (\w+)"),
         "NVIDIA/gpu-operator issue 2868",
+        ("disagrees about version of symbol",),
     ),
     Signature(
         "peermem-unknown-symbol",
+        # the second \w* ends the pattern: once it is reached the match is made, so the
+        # first is never re-tried against it
         re.compile(r"nvidia[_-]peermem: Unknown symbol (\w*peer_memory\w*)"),
         "NVIDIA/gpu-operator issue 2868 (with the CRC lines); alone: an inbox ib_core",
+        ("unknown symbol",),
     ),
     Signature(
         "peermem-not-built",
         re.compile(r"Module nvidia[_-]peermem not found"),
         "NVIDIA/gpu-operator issue 2619",
+        ("peermem not found",),
     ),
     Signature(
         "mofed-restarting",
         re.compile(r"Unsetting driver ready state|openibd restart|Waiting for MOFED"),
         "seeds 000-001 (the MOFED pod and k8s-driver-manager)",
+        ("unsetting driver ready state", "openibd restart", "waiting for mofed"),
     ),
     Signature(
         "storage-modules-loaded",
         re.compile(r"Storage modules are loaded for current driver"),
         "seed 004; Mellanox/network-operator issue 1084",
+        ("storage modules are loaded for current driver",),
     ),
     Signature(
         "module-in-use",
         re.compile(r"Module (\w+) is in use(?: by:? ?(\S+))?"),
         "Mellanox/doca-driver-build PR 481 (openibd restart and nvidia_peermem)",
+        (" is in use",),
     ),
     Signature(
         "vf-no-netdev",
-        re.compile(r"Cannot find device \"?([\w.-]+)\"?|/sys/\S*/net/? not found"),
+        re.compile(r'Cannot find device "?([\w.-]+)"?'),
         "seed 003 (MOFED's restore_sriov_config)",
+        ("cannot find device",),
+    ),
+    Signature(
+        "vf-no-netdev",
+        # /sys/\S*/net/? not found, reversed: from " not found" back over the path to
+        # the first /sys/ in it (was searched forwards: 0.5 MB/s on lines of /sys/)
+        re.compile(r"dnuof ton /?ten/\S*?/sys/"),
+        "seed 003 (MOFED's restore_sriov_config)",
+        ("/net not found", "/net/ not found"),
+        backward=True,
+    ),
+    # (?i)VF restore(?:\W+\w+)?\W+FAIL|restore_sriov_config, as two forms whose first
+    # letter is a class ([Vv], [Rr]: all that (?i) takes for V, R), so the search skips
+    # to it instead of trying the case-blind branches at every character. The first
+    # \W+ taken once, before the optional word (the same lines); \W and \w take no
+    # character of each other (nor F), so giving any back never helps (++)
+    Signature(
+        "vf-restore-failed",
+        re.compile(r"[Vv](?i:F restore\W++(?:\w++\W++)?FAIL)"),
+        "seed 003",
+        ("vf re",),
     ),
     Signature(
         "vf-restore-failed",
-        re.compile(r"(?i)VF restore(?:\W+\w+)?\W+FAIL|restore_sriov_config"),
+        re.compile(r"[Rr](?i:estore_sriov_config)"),
         "seed 003",
+        # none of these letters has a case-blind match that lower() does not turn into
+        # it (s has: U+017F; i has: U+0131); tests/test_explain_linear.py checks
+        ("tore",),
     ),
     Signature(
         "peermem-harmless-callback",
-        re.compile(r"nv_get_p2p_free_callback.*invalid context"),
+        # nv_get_p2p_free_callback.*invalid context, from the first callback name on
+        # the line only (atomic): searched from each one, each .* re-ran to the end
+        re.compile(r"(?m)^(?>.*?nv_get_p2p_free_callback).*invalid context"),
         "Mellanox/nv_peer_memory issue 120 (a loaded peermem's runtime message: harmless)",
+        ("nv_get_p2p_free_callback",),
     ),
 )
 _BY_NAME = {s.name: s for s in SIGNATURES}
+# Module names a line that is no evidence names ("what it did see"); each has one of the words.
+_MODULES = re.compile(r"\b(nvidia\w*|mlx5_\w+|ib_\w+|rdma\w*|rpcrdma|nvme_rdma)\b")
+_MODULE_WORDS = ("nvidia", "mlx5_", "ib_", "rdma")
 
 MODES = ("operator-peermem", "operator-peermem-dm09", "host-mofed", "dma-buf")
 
@@ -229,20 +296,20 @@ class Explainer:
     def feed(self, file: str, lineno: int, raw: str) -> None:
         self.lines += 1
         line = normalize(raw[:LINE_MAX])
+        low = line.lower()
         for sig in SIGNATURES:
-            m = sig.pattern.search(line)
-            if m is None:
+            if not sig.found_in(line, low):
                 continue
             got = self.found.setdefault(sig.name, [])
             if len(got) < self.per_signature_max:
                 got.append(Evidence(file, lineno, line, sig.name))
             return
-        low = line.lower()
         if ("error" in low or "fail" in low) and len(self.errors) < 5:
             self.errors.append(Evidence(file, lineno, line, ""))
-        for m in re.finditer(r"\b(nvidia\w*|mlx5_\w+|ib_\w+|rdma\w*|rpcrdma|nvme_rdma)\b", low):
-            if len(self.modules) < 20:
-                self.modules.add(m.group(1))
+        if len(self.modules) < 20 and any(word in low for word in _MODULE_WORDS):
+            for m in _MODULES.finditer(low):
+                if len(self.modules) < 20:
+                    self.modules.add(m.group(1))
 
     def incidents(self) -> list[dict[str, Any]]:
         out = []
