@@ -1,4 +1,4 @@
-"""The metrics endpoint under 2000 slowloris clients: the agent's RSS, threads, and gate p99.
+"""The metrics endpoint under slowloris and fat-header floods: the agent's RSS, threads, gate p99.
 
 The real agent (``nodeagent run``, observe mode, its own process) on the healthy
 simulated node, metrics on loopback. Twice in one run, idle and then with
@@ -10,7 +10,13 @@ second, reconnecting whenever the agent closes them:
   (after the flag is removed and the gate withdrawn), ``--trials`` times, p50/p99;
 - ``/healthz`` asked ``--probes`` times: answered, or refused at the cap.
 
-    .venv/bin/python bench/endpoint.py [--clients 2000] [--trials 30]
+Then the fat-header flood (issue 37): ``--fat`` clients that each send ``GET /metrics``
+and 99 header lines of 65,000 bytes, never the blank line (~6.4 MB a connection,
+reconnecting whenever the agent cuts them off) and ``--fat-slow`` clients that send
+lines just under the caps a little at a time. The agent's RSS before, its peak during
+(sampled every 5 ms) and after, with how many bytes the clients tried to send.
+
+    .venv/bin/python bench/endpoint.py [--clients 2000] [--trials 30] [--fat 40]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ sys.path.insert(0, str(REPO))  # the repo's tests/
 
 from nodeagent.sim.node import GATE, READY  # noqa: E402
 from tests.healthy import healthy_node  # noqa: E402
+from tests.test_endpoint_bounds import FAT_LINE, FAT_LINES, Flood  # noqa: E402
 
 
 def free_port() -> int:
@@ -122,11 +129,47 @@ def measure(root: Path, agent: psutil.Process, port: int, trials: int, probes: i
     )
 
 
+def fat_flood(root: Path, agent: psutil.Process, port: int, args: argparse.Namespace) -> None:
+    """The fat-header flood: RSS before, its peak during, after."""
+    rss = lambda: agent.memory_info().rss / 2**20  # noqa: E731
+    before = rss()
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            done.wait(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    per_client = FAT_LINES * len(FAT_LINE)
+    with Flood(port, fat=args.fat, slow=args.fat_slow) as flood:
+        t0 = time.monotonic()
+        wait(lambda: flood.attempted >= args.fat * per_client, timeout=300)
+        during = measure(root, agent, port, args.trials, args.probes)
+        seconds = time.monotonic() - t0
+    done.set()
+    sampler.join(10)
+    print(
+        f"fat-header flood: {args.fat} clients x {FAT_LINES} header lines of "
+        f"{len(FAT_LINE):,} bytes ({per_client / 1e6:.1f} MB a connection, never the blank "
+        f"line) + {args.fat_slow} slow clients; {flood.connections} connections, "
+        f"{flood.attempted / 2**20:.0f} MiB of headers tried in {seconds:.1f} s"
+    )
+    print(f"  RSS before {before:.1f} MiB, peak during {peak[0]:.1f} MiB (+{peak[0] - before:.1f})")
+    print(f"  during: {during}")
+    time.sleep(6)  # past the request deadline: what is given back
+    print(f"  after: {measure(root, agent, port, args.trials, args.probes)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=2000)
     ap.add_argument("--trials", type=int, default=30)
     ap.add_argument("--probes", type=int, default=20)
+    ap.add_argument("--fat", type=int, default=40, help="fat-header clients (0: none)")
+    ap.add_argument("--fat-slow", type=int, default=8, help="slow clients just under the caps")
     args = ap.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.clients + 1024)), hard))
@@ -144,18 +187,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             wait(lambda: (root / GATE).exists())
             agent = psutil.Process(proc.pid)
             print(f"idle: {measure(root, agent, port, args.trials, args.probes)}")
-            flood = Slowloris(port, args.clients)
-            flood.thread.start()
-            time.sleep(3)
-            time.sleep(5)
-            print(
-                f"{args.clients} slowloris clients ({flood.established} connections made, "
-                f"{flood.failed} connects timed out at a full backlog): "
-                f"{measure(root, agent, port, args.trials, args.probes)}"
-            )
-            flood.close()
-            time.sleep(6)  # past the request deadline: what is given back
-            print(f"after: {measure(root, agent, port, args.trials, args.probes)}")
+            if args.clients:
+                flood = Slowloris(port, args.clients)
+                flood.thread.start()
+                time.sleep(3)
+                time.sleep(5)
+                print(
+                    f"{args.clients} slowloris clients ({flood.established} connections "
+                    f"made, {flood.failed} connects timed out at a full backlog): "
+                    f"{measure(root, agent, port, args.trials, args.probes)}"
+                )
+                flood.close()
+                time.sleep(6)  # past the request deadline: what is given back
+                print(f"after: {measure(root, agent, port, args.trials, args.probes)}")
+            if args.fat:
+                fat_flood(root, agent, port, args)
         finally:
             proc.terminate()
             proc.wait(10)
