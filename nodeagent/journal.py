@@ -51,6 +51,9 @@ KNOWN_KINDS = (
     "held-open",
     "hold-root-marked",
     "hold-root-gone",
+    "hold-overflow",
+    "hold-over-cap",
+    "hold-fault",
     "gate-withdrawal",
     "pass-error",
     "state-problem",
@@ -125,6 +128,11 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     ),
     "pass-error": lambda r: f"pass failed: {r.get('error')}",
     "state-problem": lambda r: f"state problem: {r.get('problem')}",
+    "hold-overflow": lambda r: f"{r.get('count')} fanotify queue overflow(s): {r.get('meaning')}",
+    "hold-over-cap": lambda r: f"{r.get('count')} opens past the hold's caps: {r.get('meaning')}",
+    "hold-fault": lambda r: (
+        f"hold responder: {r.get('count')} x {r.get('fault')}: {r.get('meaning')}"
+    ),
 }
 
 
@@ -147,6 +155,9 @@ PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "gate-withdrawal": lambda r: NOTICE if r.get("ok") else ERR,
     "pass-error": lambda r: ERR,
     "state-problem": lambda r: WARNING,
+    "hold-overflow": lambda r: ERR if r.get("gate_closed") else WARNING,
+    "hold-over-cap": lambda r: WARNING,
+    "hold-fault": lambda r: ERR,
 }
 
 

@@ -24,6 +24,9 @@ from pathlib import Path
 
 ENTRYPOINT = "/usr/local/bin/nvidia-driver"
 SCRIPT = "#!/bin/sh\nread x\n"
+# The same command, whose first line read makes it chroot into /flip (the image needs chroot).
+FLIP_ENTRYPOINT = "/opt/flip/nvidia-driver"
+FLIP_SCRIPT = "#!/bin/sh\nread x\nexec chroot /flip /bin/sh -c 'read y'\n"
 
 
 def _copy_in(lower: Path, path: str) -> None:
@@ -47,10 +50,11 @@ def build_lower(lower: Path, tools: list[str]) -> None:
         _copy_in(lower, lib)
     for d in ("proc", "dev", "tmp"):
         (lower / d).mkdir(exist_ok=True)
-    script = Path(f"{lower}{ENTRYPOINT}")
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(SCRIPT)
-    script.chmod(0o755)
+    for path, text in ((ENTRYPOINT, SCRIPT), (FLIP_ENTRYPOINT, FLIP_SCRIPT)):
+        script = Path(f"{lower}{path}")
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(text)
+        script.chmod(0o755)
 
 
 @dataclass
@@ -77,17 +81,41 @@ class Container:
                 self.proc.wait(10)
 
 
-def start(lower: Path, top: Path, argv: tuple[str, ...] = (ENTRYPOINT, "init")) -> Container:
-    """A container start: a new overlay (its own upper/work under ``top``), entered."""
+def start(
+    lower: Path,
+    top: Path,
+    argv: tuple[str, ...] = (ENTRYPOINT, "init"),
+    *,
+    drop_sys_module: bool = False,
+    user_namespace: bool = False,
+    flip_to_tmpfs: bool = False,
+) -> Container:
+    """A container start: a new overlay (its own upper/work under ``top``), entered.
+
+    ``drop_sys_module``: ``CAP_SYS_MODULE`` dropped from its bounding set (every
+    unprivileged pod); ``user_namespace``: in a user namespace of its own, root inside
+    (``unshare -U -r``: a full capability set, relative to that namespace);
+    ``flip_to_tmpfs``: a tmpfs holding a copy of the image is mounted at ``/flip`` in its
+    namespace, and the first line on its stdin makes it ``exec chroot /flip``: its root
+    becomes that tmpfs, same pid (a process flipping its root under a scanner)."""
     n = len(list(top.glob("start-*")))
     base = top / f"start-{n}"
     upper, work, merged = base / "u", base / "w", base / "m"
     for d in (upper, work, merged):
         d.mkdir(parents=True)
     opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    script = f'mount -t overlay overlay -o {opts} {merged} && exec chroot {merged} "$@"'
+    script = f"mount -t overlay overlay -o {opts} {merged}"
+    if flip_to_tmpfs:
+        script += (
+            f" && mkdir -p {merged}/flip && mount -t tmpfs tmpfs {merged}/flip"
+            f" && cp -a {lower}/. {merged}/flip/"
+        )
+        argv = (FLIP_ENTRYPOINT, "init")
+    drop = "setpriv --bounding-set -sys_module " if drop_sys_module else ""
+    script += f' && exec {drop}chroot {merged} "$@"'
+    userns = ["-U", "-r"] if user_namespace else []
     proc = subprocess.Popen(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+        ["unshare", *userns, "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv],
         stdin=subprocess.PIPE,
     )
     return Container(proc, merged)

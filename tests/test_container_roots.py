@@ -29,7 +29,7 @@ from nodeagent.core.hold import (
 )
 from nodeagent.errors import NodeagentError
 from nodeagent.host.containers import RootScanner
-from nodeagent.host.fanotify import FanotifyGroup, parse_marked_devices
+from nodeagent.host.fanotify import FanotifyGroup, OpenedRoot, parse_marked_devices
 from nodeagent.host.hold import Responder, sees_host_pids
 
 from . import containerroot
@@ -113,7 +113,7 @@ def test_marks_read_back_from_fdinfo() -> None:
 
 class FakeProc:
     """A ``/proc`` of one matching process whose overlay is device 77: the seam the
-    scanner takes (``proc``, ``dev_of``, ``fs_type``, the group's marks)."""
+    scanner takes (``proc``, ``dev_of``, the group's ``open_root`` and marks)."""
 
     def __init__(self, tmp: Path) -> None:
         self.dir = tmp / "proc"
@@ -128,6 +128,8 @@ class FakeProc:
         def dev_of(path: str) -> int | None:
             if path.endswith("/1/root"):
                 return 1  # the host's root
+            if path.endswith("/self/root"):
+                return 2  # the agent's own
             return 77 if self.root_resolves else None
 
         def marks() -> set[int]:
@@ -135,13 +137,24 @@ class FakeProc:
             self.on_marks_read()
             return seen
 
+        def open_root(path: str) -> OpenedRoot | None:
+            if not self.root_resolves:
+                return None
+            return OpenedRoot(
+                dev=77,
+                fs_type=0x794C7630,
+                mark=lambda: self.marks.add(77),
+                unmark=lambda: self.marks.discard(77),
+                close=lambda: None,
+            )
+
         return RootScanner(
-            lambda root: self.marks.add(77),
+            open_root,
             marks,
             DRIVER_CONTAINER_RULES,
             proc=str(self.dir),
-            fs_type=lambda path: 0x794C7630,
             dev_of=dev_of,
+            may_load=lambda pid: None,
         )
 
 
@@ -202,8 +215,8 @@ class Rig:
     responder: Responder
     containers: list[Container]
 
-    def start(self, argv: tuple[str, ...] = (ENTRYPOINT, "init")) -> Container:
-        c = containerroot.start(self.lower, self.top, argv)
+    def start(self, argv: tuple[str, ...] = (ENTRYPOINT, "init"), **kw: bool) -> Container:
+        c = containerroot.start(self.lower, self.top, argv, **kw)
         self.containers.append(c)
         return c
 
@@ -236,7 +249,8 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     except OSError as exc:
         pytest.skip(f"this kernel refuses a fanotify permission group: {exc}")
     lower = tmp_path / "lower"
-    containerroot.build_lower(lower, [shutil.which("cat") or "/bin/cat"])
+    tools = [shutil.which("cat") or "/bin/cat", shutil.which("chroot") or "/usr/sbin/chroot"]
+    containerroot.build_lower(lower, tools)
     # Marked containers' opens wait on a responder: one that allows everything.
     responder = Responder(group, gate_open=lambda: True, budget_s=5.0)
     responder.start()
@@ -252,7 +266,7 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
 
 def _scanner(rig: Rig, **kw: object) -> RootScanner:
     scanner = RootScanner(
-        rig.group.mark_filesystem,
+        rig.group.open_root,
         rig.group.marked_devices,
         DRIVER_CONTAINER_RULES,
         interval_s=0.02,
@@ -423,14 +437,21 @@ def test_a_wrapper_matches_before_its_chroot_and_is_marked_after_it(tmp_path: Pa
 
     now = [0.0]
     marked: list[str] = []
+
+    def open_root(path: str) -> OpenedRoot:
+        kind = OVERLAYFS_SUPER_MAGIC if os.path.realpath(path) in overlays else 0
+        return OpenedRoot(
+            os.stat(path).st_dev, kind, lambda: marked.append(path), lambda: None, lambda: None
+        )
+
     scanner = RootScanner(
-        marked.append,
+        open_root,
         lambda: {os.stat(p).st_dev for p in marked},
         DRIVER_CONTAINER_RULES,
         proc=str(proc),
         recheck_s=5.0,
         clock=lambda: now[0],
-        fs_type=lambda p: OVERLAYFS_SUPER_MAGIC if os.path.realpath(p) in overlays else 0,
+        may_load=lambda pid: None,
     )
     scanner._host_dev = os.stat(proc / "1/root").st_dev  # what start() does
     pid_dir(100, ["chroot", str(overlay), ENTRYPOINT, "init"], host_like)
@@ -447,3 +468,83 @@ def test_a_wrapper_matches_before_its_chroot_and_is_marked_after_it(tmp_path: Pa
     scanner.scan()
     problems = [r["problem"] for r in scanner.reports if r["kind"] == "state-problem"]
     assert len(problems) == 1 and "(pid 200)" in problems[0] and "not an overlay" in problems[0]
+
+
+# -- who may be marked, and what (issue 38) ----------------------------------------
+
+
+def _refusals(scanner: RootScanner, pid: int) -> list[str]:
+    return [
+        str(r["problem"])
+        for r in list(scanner.reports)
+        if r["kind"] == "state-problem" and f"(pid {pid})" in str(r["problem"])
+    ]
+
+
+def test_a_matching_container_that_can_never_load_a_module_is_not_marked(rig: Rig) -> None:
+    """Anyone can call a process ``nvidia-driver init``; one without CAP_SYS_MODULE in its
+    bounding set (every unprivileged pod), or root only inside a user namespace of its own,
+    can never load a module: its root is not marked, and the agent says why. A privileged
+    one started beside them is."""
+    scanner = _scanner(rig, recheck_s=0.5)
+    try:
+        unprivileged = rig.start(drop_sys_module=True)
+        in_userns = rig.start(user_namespace=True)
+        privileged = rig.start()
+        until(lambda: scanner.roots(), "the privileged container's root was not marked")
+        until(lambda: _refusals(scanner, unprivileged.pid), "the unprivileged one was not named")
+        until(lambda: _refusals(scanner, in_userns.pid), "the user-namespaced one was not named")
+        assert [r.pid for r in scanner.roots()] == [privileged.pid]
+        marked = rig.group.marked_devices()
+        for c in (unprivileged, in_userns):
+            assert os.stat(f"/proc/{c.pid}/root").st_dev not in marked
+        (why,) = _refusals(scanner, unprivileged.pid)
+        assert "no CAP_SYS_MODULE in its bounding set" in why and "not marked" in why
+        (why,) = _refusals(scanner, in_userns.pid)
+        assert "not in the host's user namespace" in why
+        # What status lists as not marked (the hold's part: "not_marked").
+        assert {pid for pid, _cmd, _why in scanner.refused} == {unprivileged.pid, in_userns.pid}
+    finally:
+        scanner.stop()
+
+
+def test_a_root_flipped_between_check_and_mark_never_gets_its_new_root_marked(
+    rig: Rig,
+) -> None:
+    """The process flips its root (chroot into a tmpfs) right after the scanner resolved
+    it: the scanner checks and marks that one resolution, the overlay; the tmpfs is never
+    marked, and nothing is left marked once the container goes."""
+    flipped: dict[str, int] = {}
+
+    def open_then_flip(path: str) -> OpenedRoot | None:
+        opened = rig.group.open_root(path)
+        if opened is not None and not flipped:
+            pid = int(path.split("/")[2])
+            before = os.stat(path).st_dev
+            assert c.proc.stdin is not None
+            c.proc.stdin.write(b"flip\n")
+            c.proc.stdin.flush()
+            until(lambda: os.stat(path).st_dev != before, "the root did not flip")
+            flipped.update(pid=pid, overlay=before, tmpfs=os.stat(path).st_dev)
+        return opened
+
+    scanner = RootScanner(
+        open_then_flip,
+        rig.group.marked_devices,
+        DRIVER_CONTAINER_RULES,
+        interval_s=0.02,
+    )
+    c = rig.start(flip_to_tmpfs=True)
+    scanner.start()
+    try:
+        until(lambda: scanner.roots(), "the container's root was not marked")
+        (root,) = scanner.roots()
+        marked = rig.group.marked_devices()
+        assert flipped["pid"] == c.pid and flipped["tmpfs"] != flipped["overlay"]
+        assert root.dev == flipped["overlay"] and flipped["overlay"] in marked
+        assert flipped["tmpfs"] not in marked  # the flipped-to filesystem: never marked
+        c.stop()
+        until(lambda: not scanner.roots(), "the gone container's root is still listed")
+        assert not {flipped["overlay"], flipped["tmpfs"]} & rig.group.marked_devices()
+    finally:
+        scanner.stop()

@@ -11,12 +11,14 @@ suite's part (a later slice).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,30 +60,38 @@ def _mount_tmpfs(where: Path) -> str | None:
     return None
 
 
-@pytest.fixture
-def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
+def _layout(tmp_path: Path) -> tuple[Path, Path, Path, Path, FanotifyGroup]:
+    """A tmpfs with a driver tree (nvidia-peermem.ko and another .ko), a ``modprobe`` (a
+    copy of cat: a module loader by name) and a fresh group; skips where either is refused."""
     fs = tmp_path / "fs"
     fs.mkdir()
     why = _mount_tmpfs(fs)
     if why:
         pytest.skip(why)
+    moddir = fs / "lib/modules/6.1.0-test/kernel/drivers/video"
+    moddir.mkdir(parents=True)
+    target = moddir / "nvidia-peermem.ko"
+    target.write_bytes(CONTENT)
+    other = moddir / "nvidia.ko"
+    other.write_bytes(b"other\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    modprobe = bindir / "modprobe"
+    shutil.copy("/bin/cat", modprobe)
+    try:
+        group = FanotifyGroup()
+    except OSError as exc:
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+        pytest.skip(f"fanotify permission group refused here: {exc}")
+    return fs, target, other, modprobe, group
+
+
+@pytest.fixture
+def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
+    fs, target, other, modprobe, group = _layout(tmp_path)
     budget = getattr(request, "param", 60.0)
     responder = None
     try:
-        moddir = fs / "lib/modules/6.1.0-test/kernel/drivers/video"
-        moddir.mkdir(parents=True)
-        target = moddir / "nvidia-peermem.ko"
-        target.write_bytes(CONTENT)
-        other = moddir / "nvidia.ko"
-        other.write_bytes(b"other\n")
-        bindir = tmp_path / "bin"
-        bindir.mkdir()
-        modprobe = bindir / "modprobe"
-        shutil.copy("/bin/cat", modprobe)
-        try:
-            group = FanotifyGroup()
-        except OSError as exc:
-            pytest.skip(f"fanotify permission group refused here: {exc}")
         group.mark_filesystem(str(fs))
         gate = threading.Event()
         responder = Responder(group, gate_open=gate.is_set, budget_s=budget)
@@ -90,6 +100,30 @@ def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
     finally:
         if responder is not None:
             responder.stop()  # closes the group: the kernel allows whatever is pending
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+@pytest.fixture
+def marked_flood(tmp_path: Path) -> Iterator[Marked]:
+    """As ``marked``, the hold started as the agent starts it (``start_hold``: the
+    descriptor limit raised, the caps fitted in it)."""
+    fs, target, other, modprobe, group = _layout(tmp_path)
+    responder = None
+    try:
+        gate = threading.Event()
+        responder, marked, problems = start_hold(
+            group,
+            group.mark_filesystem,
+            [("fs", str(fs))],
+            gate_open=gate.is_set,
+            budget_s=60.0,
+            host_pids=True,
+        )
+        assert responder is not None and marked == ["fs"] and problems == []
+        yield Marked(fs, target, other, str(modprobe), gate, responder)
+    finally:
+        if responder is not None:
+            responder.stop()
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
@@ -449,3 +483,527 @@ def test_a_marked_root_that_disappears_leaves_the_responder_answering(marked: Ma
     p = subprocess.run([marked.modprobe, "/etc/hostname"], capture_output=True, timeout=WAIT)
     assert p.returncode == 0
     assert marked.responder._thread.is_alive() and marked.responder.held() == []
+
+
+# -- the unlimited queue, and what an overflow means ----------------------------------
+
+
+class Clock:
+    """A clock the test moves (the responder's bursts end after a quiet spell)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FedSource(FakeSource):
+    """A FakeSource the test feeds while the responder runs (its pipe never blocks a read)."""
+
+    def __init__(self, events: list[PermEvent]) -> None:
+        super().__init__(events)
+        os.set_blocking(self.r, False)
+
+    def feed(self, *events: PermEvent) -> None:
+        self.events.extend(events)
+        os.write(self.w, b"x")
+
+
+def test_a_burst_of_overflows_is_one_notice_saying_what_it_means_and_the_responder_goes_on() -> (
+    None
+):
+    clock = Clock()
+    source = FedSource([])
+    responder = Responder(
+        source, gate_open=lambda: False, budget_s=60, own_pid=1, clock=clock, burst_quiet_s=2.0
+    )
+    responder.start()
+    try:
+        overflow = PermEvent(-1, 0, FAN_Q_OVERFLOW)
+        source.feed(overflow, overflow)
+        until(lambda: responder.counts["overflow"] == 2, "the overflows were not counted")
+        clock.t += 1.0  # within the burst
+        source.feed(overflow)
+        until(lambda: responder.counts["overflow"] == 3, "the third was not counted")
+        assert not responder.notices, "said before the burst was over"
+        clock.t += 2.0  # quiet for the burst's spell: it is over
+        responder.wake()
+        (notice,) = until(lambda: list(responder.notices), "the burst was not said")
+        assert notice["kind"] == "hold-overflow" and notice["count"] == 3
+        assert notice["gate_closed"] is True and notice["seconds"] == 1.0
+        assert "may have gone through while the gate was closed" in notice["meaning"]
+        # The responder goes on: a later open is answered.
+        later = PermEvent(-1, 4242, 0x10000)
+        source.feed(later)
+        until(lambda: responder.counts["no_fd"] == 1, "the responder stopped answering")
+        assert responder._thread.is_alive()
+    finally:
+        responder.stop()
+    assert len(responder.notices) == 1
+
+
+def test_an_overflow_burst_still_open_at_stop_is_said() -> None:
+    source = FedSource([PermEvent(-1, 0, FAN_Q_OVERFLOW)])
+    gate = threading.Event()
+    gate.set()
+    responder = Responder(source, gate_open=gate.is_set, budget_s=60, own_pid=1)
+    responder.start()
+    until(lambda: responder.counts["overflow"] == 1, "the overflow was not counted")
+    responder.stop()
+    (notice,) = responder.notices
+    assert notice["gate_closed"] is False and "the gate was open" in notice["meaning"]
+
+
+def test_overflows_are_a_counter_fed_by_their_records() -> None:
+    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.metrics import MetricsExporter
+
+    m = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(HOLD_TELEMETRY,))
+    m.on_record({"kind": "hold-overflow", "count": 3})
+    m.on_record({"kind": "hold-overflow", "count": 2})
+    text, _ = m.scrape(None)
+    assert b"nodeagent_peermem_hold_overflows_total 5.0" in text
+
+
+def test_the_group_asks_for_an_unlimited_queue_and_says_when_the_kernel_refuses_it() -> None:
+    import ctypes
+    import errno
+
+    from nodeagent.host.fanotify import FAN_UNLIMITED_QUEUE
+
+    class Libc:
+        def __init__(self, refuse: bool) -> None:
+            self.refuse = refuse
+            self.calls: list[int] = []
+
+        def fanotify_init(self, flags: int, _event_flags: int) -> int:
+            self.calls.append(flags)
+            if self.refuse and flags & FAN_UNLIMITED_QUEUE:
+                ctypes.set_errno(errno.EINVAL)
+                return -1
+            return os.dup(0)
+
+    libc = Libc(refuse=False)
+    group = FanotifyGroup(libc=libc)
+    group.close()
+    assert libc.calls[0] & FAN_UNLIMITED_QUEUE and group.unlimited_queue
+    assert group.queue_problem is None
+    libc = Libc(refuse=True)
+    group = FanotifyGroup(libc=libc)
+    group.close()
+    assert len(libc.calls) == 2 and not libc.calls[1] & FAN_UNLIMITED_QUEUE
+    assert not group.unlimited_queue and group.queue_problem is not None
+    assert "FAN_UNLIMITED_QUEUE" in group.queue_problem and "bounded queue" in group.queue_problem
+
+
+def test_this_kernel_gives_the_group_an_unlimited_queue() -> None:
+    from nodeagent.host.fanotify import FAN_UNLIMITED_QUEUE
+
+    try:
+        group = FanotifyGroup()
+    except OSError as exc:
+        pytest.skip(f"fanotify permission group refused here: {exc}")
+    try:
+        assert group.unlimited_queue and group.queue_problem is None
+        info = Path(f"/proc/self/fdinfo/{group.fd}").read_text()
+        m = re.search(r"^fanotify flags:([0-9a-f]+) ", info, re.M)
+        assert m and int(m.group(1), 16) & FAN_UNLIMITED_QUEUE, info
+    finally:
+        group.close()
+
+
+class OverflowingGroup(FedSource):
+    """A hold group (the agent's seam, ``HoldHost.group``) whose kernel refused the
+    unlimited queue and whose queue overflows."""
+
+    unlimited_queue = False
+    queue_problem = "peermem.hold_loads: the kernel refused FAN_UNLIMITED_QUEUE (test)"
+
+    def mark_filesystem(self, path: str) -> None:
+        pass
+
+    def open_root(self, path: str) -> None:
+        return None
+
+    def marked_devices(self) -> set[int]:
+        return set()
+
+
+def test_the_agent_records_an_overflow_burst_and_counts_it(tmp_path: Path) -> None:
+    """Through the agent: the group's overflow becomes one ``hold-overflow`` record (and a
+    bounded queue a state problem), the record feeds the counter, status says the queue."""
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config
+    from nodeagent.core.peermem import PeermemPolicy
+    from nodeagent.host.hold import HoldHost
+    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.metrics import MetricsExporter
+
+    from .healthy import healthy_node
+
+    (tmp_path / "run/nvidia/driver").mkdir(parents=True)
+    group = OverflowingGroup([])
+    recorded: list[dict[str, object]] = []
+    metrics = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(HOLD_TELEMETRY,))
+
+    def on_record(rec: dict[str, object]) -> None:
+        recorded.append(rec)
+        metrics.on_record(rec)
+
+    node = healthy_node(tmp_path, ready=False)
+    pol = PeermemPolicy(
+        hold_loads="fanotify", hold_roots=("run/nvidia/driver",), hold_containers=()
+    )
+    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
+    host = HoldHost(group=lambda: group, host_pids=lambda: True)
+    agent = Agent(
+        cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host, on_record=on_record
+    )
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        side = agent.side("peermem")
+        until(lambda: side.hold is not None and agent.passes >= 1, "the hold did not start")
+        side.hold.burst_quiet_s = 0.0  # each read's overflows are a burst of their own
+        group.feed(PermEvent(-1, 0, FAN_Q_OVERFLOW), PermEvent(-1, 0, FAN_Q_OVERFLOW))
+        (rec,) = until(
+            lambda: [r for r in list(recorded) if r.get("kind") == "hold-overflow"],
+            "the overflow was not recorded",
+        )
+        assert rec["count"] == 2 and rec["gate_closed"] is True and rec["guard"] == "peermem"
+        assert "may have gone through while the gate was closed" in str(rec["meaning"])
+        text, _ = metrics.scrape(None)
+        assert b"nodeagent_peermem_hold_overflows_total 2.0" in text
+        assert any(
+            r.get("kind") == "state-problem" and "FAN_UNLIMITED_QUEUE" in str(r.get("problem"))
+            for r in recorded
+        )
+        status = until(
+            lambda: (side.status() or {}).get("counts", {}).get("overflow") == 2 and side.status(),
+            "status does not count the overflows",
+        )
+        assert status["queue"] == "bounded"
+        assert status["responder"] == "answering"
+        fds = status["descriptors"]  # the limit raised at start, the reserve, in use now
+        assert fds["limit"] >= fds["reserve"] + fds["held_total"] + fds["per_read"]
+        assert 0 < fds["in_use"] < fds["limit"] and fds["held_now"] == 0
+        assert side.hold._thread.is_alive()
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
+
+
+# -- bounds on held opens, the descriptor budget, faults survived ---------------------
+
+
+def test_the_descriptor_limit_is_raised_and_the_caps_fit_in_it() -> None:
+    import resource
+
+    from nodeagent.host.hold import (
+        FD_RESERVE,
+        HELD_PER_CONTAINER,
+        HELD_TOTAL,
+        READ_EVENTS,
+        descriptor_budget,
+    )
+
+    set_to: list[tuple[int, int]] = []
+    budget, problems = descriptor_budget(
+        getrlimit=lambda _r: (1024, 65536), setrlimit=lambda _r, lim: set_to.append(lim)
+    )
+    assert set_to == [(65536, 65536)] and problems == []
+    assert (budget.limit, budget.hard, budget.reserve) == (65536, 65536, FD_RESERVE)
+    assert (budget.held_total, budget.held_per_container) == (HELD_TOTAL, HELD_PER_CONTAINER)
+    assert budget.held_total + READ_EVENTS + budget.reserve <= budget.limit
+
+    def refuse(_r: int, _lim: tuple[int, int]) -> None:
+        raise ValueError("not allowed")
+
+    budget, problems = descriptor_budget(getrlimit=lambda _r: (512, 512), setrlimit=refuse)
+    assert budget.limit == 512 and budget.held_total == 512 - FD_RESERVE - READ_EVENTS
+    assert budget.held_total + READ_EVENTS + budget.reserve <= budget.limit
+    (line,) = problems
+    assert "leaves room for 128 held opens" in line
+    budget, problems = descriptor_budget(getrlimit=lambda _r: (100, 200), setrlimit=refuse)
+    assert budget.held_total == 0 and budget.held_per_container == 0
+    assert len(problems) == 2 and "cannot raise the descriptor limit from 100 to 200" in problems[0]
+    assert resource.getrlimit(resource.RLIMIT_NOFILE)  # (the process's own is untouched)
+
+
+class Opens(FedSource):
+    """Held-class opens by loaders (the fds are made up: nothing is closed here)."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.n = 10_000
+
+    def opens(self, pid: int, k: int) -> list[PermEvent]:
+        out = []
+        for _ in range(k):
+            self.n += 1
+            out.append(PermEvent(self.n, pid, 0x10000))
+        return out
+
+
+def capped(
+    source: FedSource, clock: Clock, gate: threading.Event, proc: Path, **kw: object
+) -> Responder:
+    for pid in (100, 101, 300):  # every opener "exists": none is let go as gone
+        (proc / str(pid)).mkdir(exist_ok=True)
+    return Responder(
+        source,
+        gate_open=gate.is_set,
+        budget_s=600,
+        own_pid=1,
+        clock=clock,
+        path_of=lambda e: "/lib/modules/6.1.0/kernel/drivers/video/nvidia-peermem.ko",
+        loader_of=lambda pid: (True, "modprobe"),
+        container_of=lambda pid: "mnt:[A]" if pid < 200 else "mnt:[B]",
+        proc=str(proc),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_past_a_cap_an_open_goes_on_at_once_and_a_burst_is_one_notice(tmp_path: Path) -> None:
+    clock, source, gate = Clock(), Opens(), threading.Event()
+    responder = capped(source, clock, gate, tmp_path, held_per_container=3, held_total=5)
+    responder.start()
+    try:
+        source.feed(*source.opens(100, 5))  # container A: 3 held, 2 past its cap
+        until(lambda: responder.counts["over_cap"] == 2, "A's opens past its cap")
+        source.feed(*source.opens(300, 3))  # container B: 2 held (5 in all), 1 past the total
+        until(lambda: responder.counts["over_cap"] == 3, "B's open past the total")
+        assert len(responder.held()) == 5 and responder.counts["held"] == 5
+        allowed = [e.pid for e, allow in source.answers if allow]
+        assert sorted(allowed) == [100, 100, 300]
+        clock.t += 2.0
+        responder.wake()
+        (notice,) = until(lambda: list(responder.notices), "the burst was not said")
+        assert notice["kind"] == "hold-over-cap" and notice["count"] == 3
+        assert (notice["past_container_cap"], notice["past_total_cap"]) == (2, 1)
+        assert notice["container"] == "mnt:[A]" and notice["opener"] == "modprobe"
+        assert "allowed at once" in notice["meaning"]
+        gate.set()  # the gate still works: everything held goes
+        responder.wake()
+        until(lambda: not responder.held(), "the held opens were not let go")
+        gate.clear()  # and the caps count afresh
+        source.feed(*source.opens(101, 3))
+        until(lambda: len(responder.held()) == 3, "A's opens were not held again")
+        assert responder.counts["over_cap"] == 3
+    finally:
+        responder.stop()
+
+
+class FailingReads(FedSource):
+    """read() raises ``errors`` (one per call) before it gives anything."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        super().__init__([])
+        self.errors = errors
+        self.reads = 0
+
+    def read(self) -> list[PermEvent]:
+        self.reads += 1
+        if self.errors:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.r, 16)
+            os.write(self.w, b"x")  # still readable: the responder must not spin on it
+            raise self.errors.pop(0)
+        return super().read()
+
+
+def test_emfile_while_reading_is_survived_reported_and_answering_goes_on() -> None:
+    import errno
+
+    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.metrics import MetricsExporter
+
+    clock = Clock()
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    source = FailingReads([emfile, emfile, OSError(errno.ENFILE, "Too many open files in system")])
+    responder = Responder(source, gate_open=lambda: False, budget_s=60, own_pid=1, clock=clock)
+    responder.start()
+    try:
+        source.feed(PermEvent(-1, 4242, 0x10000))
+        until(lambda: responder.counts["no_fd"] == 1, "the responder did not read again")
+        assert responder._thread.is_alive() and responder.counts["faults"] == 3
+        assert source.reads <= 8, "the responder spun on the failing read"
+        clock.t += 2.0
+        responder.wake()
+        notices = until(lambda: len(responder.notices) == 2 and list(responder.notices), "said")
+    finally:
+        responder.stop()
+    by_fault = {n["fault"]: n for n in notices}
+    assert by_fault["EMFILE"]["kind"] == "hold-fault" and by_fault["EMFILE"]["count"] == 2
+    assert by_fault["ENFILE"]["count"] == 1
+    assert "out of descriptors" in by_fault["EMFILE"]["meaning"]
+    m = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(HOLD_TELEMETRY,))
+    for n in notices:
+        m.on_record(n)
+    m.on_record({"kind": "hold-fault", "fault": "ValueError", "count": 1})
+    text, _ = m.scrape(None)
+    assert b'nodeagent_peermem_hold_faults_total{fault="EMFILE"} 2.0' in text
+    assert b'nodeagent_peermem_hold_faults_total{fault="ENFILE"} 1.0' in text
+    assert b'nodeagent_peermem_hold_faults_total{fault="other"} 1.0' in text
+
+
+def test_an_error_while_answering_allows_that_open_and_the_responder_goes_on(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "77").mkdir()
+    source = Opens()
+    calls: list[int] = []
+
+    def loader_of(pid: int) -> tuple[bool, str]:
+        calls.append(pid)
+        if pid == 66:
+            raise RuntimeError("cannot tell")
+        return True, "modprobe"
+
+    responder = Responder(
+        source,
+        gate_open=lambda: False,
+        budget_s=600,
+        own_pid=1,
+        path_of=lambda e: "/x/kernel/drivers/video/nvidia-peermem.ko",
+        loader_of=loader_of,
+        container_of=lambda pid: "mnt:[A]",
+        proc=str(tmp_path),
+    )
+    responder.start()
+    try:
+        (bad,) = source.opens(66, 1)
+        (good,) = source.opens(77, 1)
+        source.feed(bad, good)
+        until(lambda: responder.held(), "the next open was not held")
+        assert [(e.pid, allow) for e, allow in source.answers] == [(66, True)]
+        assert responder.counts["faults"] == 1 and responder._thread.is_alive()
+    finally:
+        responder.stop()
+    (notice,) = [n for n in responder.notices if n["kind"] == "hold-fault"]
+    assert notice["fault"] == "RuntimeError" and "was allowed" in notice["meaning"]
+
+
+FLOOD = r"""
+import ctypes, os, sys, threading
+
+# PR_SET_NAME on the main thread: /proc/<pid>/comm says modprobe, a module loader.
+ctypes.CDLL(None).prctl(15, b"modprobe", 0, 0, 0)
+target, procs, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ready, go = int(sys.argv[4]), int(sys.argv[5])
+for _ in range(procs - 1):  # a few processes of one container (one mount namespace)
+    if os.fork() == 0:
+        break
+threading.stack_size(256 * 1024)
+start = threading.Event()
+failed = []
+
+def opener():
+    start.wait()
+    try:
+        os.close(os.open(target, os.O_RDONLY))
+    except OSError as exc:
+        failed.append(exc.errno)
+
+workers = [threading.Thread(target=opener) for _ in range(threads)]
+for w in workers:
+    w.start()
+os.write(ready, b"r")
+os.read(go, 1)
+start.set()
+for w in workers:
+    w.join()
+os._exit(1 if failed else 0)
+"""
+
+
+def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood: Marked) -> None:
+    """2000 concurrent loader opens of nvidia-peermem.ko from one "container" (4 processes
+    of 500 threads in a mount namespace of their own), gate closed: 64 are held (its cap),
+    the rest go on at once and are said in one notice; the responder lives, other opens
+    and another container's load are answered, the gate still works, descriptors stay
+    within the budget."""
+    from nodeagent.host.hold import HELD_PER_CONTAINER, HELD_TOTAL, READ_EVENTS
+
+    m, responder = marked_flood, marked_flood.responder
+    tmp = Path(m.modprobe).parent
+    script = tmp / "flood.py"
+    script.write_text(FLOOD)
+    procs, threads = 4, 500
+    total = procs * threads
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    args = [str(m.target), str(procs), str(threads), str(ready_w), str(go_r)]
+    flood = subprocess.Popen(
+        ["unshare", "-m", sys.executable, str(script), *args],
+        pass_fds=(ready_w, go_r),
+        start_new_session=True,
+    )
+    os.close(ready_w)
+    os.close(go_r)
+    other_loader = None
+    try:
+        got = b""
+        while len(got) < procs:  # every thread started (a hang: the test's timeout)
+            chunk = os.read(ready_r, procs)
+            assert chunk, "a flood process died before it was ready"
+            got += chunk
+        os.write(go_w, b"g" * procs)
+        over = total - HELD_PER_CONTAINER
+        until(lambda: responder.counts["over_cap"] == over, "the opens past the cap")
+        assert len(responder.held()) == HELD_PER_CONTAINER
+        assert responder._thread.is_alive()
+        # Another opener's open of a file the hold does not name: answered.
+        p = subprocess.run(["cat", str(m.other)], capture_output=True, timeout=WAIT)
+        assert p.returncode == 0
+        # Another container's load: held, under its own cap.
+        other_loader = subprocess.Popen(
+            ["unshare", "-m", m.modprobe, str(m.target)], stdout=subprocess.PIPE
+        )
+        until(
+            lambda: any(pid == other_loader.pid for pid, *_ in responder.held()),
+            "another container's load was not held",
+        )
+        # One notice for the burst, with its count.
+        (notice,) = until(
+            lambda: [n for n in list(responder.notices) if n["kind"] == "hold-over-cap"],
+            "the opens past the cap were not said",
+        )
+        assert notice["count"] == over and notice["past_container_cap"] == over
+        assert responder.counts["over_cap"] == over, "more opens past the cap than the flood's"
+        # Descriptors: held opens and one read's events at most, well inside the limit.
+        assert responder.peak_descriptors <= HELD_TOTAL + READ_EVENTS
+        budget = responder.descriptors
+        assert budget is not None and budget.held_total == HELD_TOTAL
+        assert len(os.listdir("/proc/self/fd")) < budget.limit - budget.reserve
+        # The gate still works: open, every held open goes on; closed again, a load waits.
+        m.gate.set()
+        responder.wake()
+        assert flood.wait(WAIT) == 0, "a flood open failed"
+        out, _ = other_loader.communicate(timeout=WAIT)
+        assert other_loader.returncode == 0 and out == CONTENT
+        m.gate.clear()
+        responder.wake()
+        late = subprocess.Popen([m.modprobe, str(m.target)], stdout=subprocess.PIPE)
+        try:
+            until(lambda: responder.held(), "a load after the flood was not held")
+            m.gate.set()
+            responder.wake()
+            out, _ = late.communicate(timeout=WAIT)
+        finally:
+            late.kill()
+        assert late.returncode == 0 and out == CONTENT
+        assert responder._thread.is_alive() and responder.counts["faults"] == 0
+        ended = collections.Counter(r.ended for r in responder.reports)
+        assert ended == {"gate opened": HELD_PER_CONTAINER + 2}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(flood.pid, 9)
+        flood.wait(WAIT)
+        if other_loader is not None:
+            other_loader.kill()
+            other_loader.wait(WAIT)
+        for fd in (ready_r, go_w):
+            os.close(fd)

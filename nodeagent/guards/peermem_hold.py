@@ -13,6 +13,7 @@ recorded at the end of every pass and at stop. See docs/design.md, "The hold".
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ class PeermemHold(GuardSide):
         self.containers: RootScanner | None = None  # driver containers' roots, as they start
         self.since: float | None = None
         self.gate_open = False  # what the responder reads: never a file, never a lock
+        self.unlimited_queue = True  # the group's queue (bounded: an overflow lets opens go)
 
     # -- the loop's hooks -------------------------------------------------------
 
@@ -58,6 +60,12 @@ class PeermemHold(GuardSide):
             log.warning("peermem.hold_loads: %s", exc)
             ctx.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
             return
+        # A group without an unlimited queue holds until its queue overflows: weaker, said.
+        self.unlimited_queue = getattr(group, "unlimited_queue", True)
+        queue_problem = getattr(group, "queue_problem", None)
+        if queue_problem:
+            log.warning("%s", queue_problem)
+            ctx.record({"kind": "state-problem", "problem": queue_problem})
         roots = [(r, str(ctx.host.path(r))) for r in pol.hold_roots]
         self.hold, self.marked, problems = start_hold(
             group,
@@ -76,23 +84,25 @@ class PeermemHold(GuardSide):
         if self.hold is None:
             return
         self.since = ctx.clock()
+        budget = self.hold.descriptors
         ctx.record(
             {
                 "kind": "hold-started",
                 "marked": self.marked,
                 "containers": list(pol.hold_containers),
+                **({"descriptors": budget.status()} if budget is not None else {}),
             }
         )
         if pol.hold_containers:
             self.containers = RootScanner(
-                group.mark_filesystem,
+                group.open_root,
                 group.marked_devices,
                 pol.hold_containers,
                 interval_s=pol.hold_scan_s,
                 on_report=lambda: ctx.wake("container root"),
                 proc=host.proc,
                 dev_of=host.dev_of,
-                fs_type=host.fs_type,
+                may_load=host.may_load,
                 clock=host.clock,
             )
             if host.threaded:
@@ -118,11 +128,16 @@ class PeermemHold(GuardSide):
             "marked": self.marked,
             "since": self.since,
             "gate_open": self.gate_open,
+            "queue": "unlimited" if self.unlimited_queue else "bounded",
             "held": [
                 {"pid": p, "opener": o, "path": f, "seconds": round(t, 3)}
                 for p, o, f, t in self.hold.held()
             ],
             "counts": dict(self.hold.counts),
+            "responder": "answering" if self.hold.alive() else "stopped",
+            # Descriptors: the limit (raised to the hard one at start), the reserve kept for
+            # the rest of the agent, the caps on held opens fitted in what is left, in use now.
+            "descriptors": self._descriptors(),
             "container_roots": [
                 {
                     "dev": r.dev_text(),
@@ -132,6 +147,11 @@ class PeermemHold(GuardSide):
                     "noticed_ms": round(r.noticed_s * 1000, 1),
                 }
                 for r in (self.containers.roots() if self.containers else [])
+            ],
+            # Matches of the rules left unmarked, and why (e.g. no CAP_SYS_MODULE).
+            "not_marked": [
+                {"pid": pid, "command": command, "why": why}
+                for pid, command, why in (list(self.containers.refused) if self.containers else [])
             ],
         }
 
@@ -149,6 +169,18 @@ class PeermemHold(GuardSide):
             self.gate_open = is_open
             self.hold.wake()
 
+    def _descriptors(self) -> dict[str, int] | None:
+        budget = self.hold.descriptors if self.hold is not None else None
+        if budget is None:
+            return None
+        out = budget.status()
+        try:
+            out["in_use"] = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            out["in_use"] = -1
+        out["held_now"] = len(self.hold.held()) if self.hold is not None else 0
+        return out
+
     def _record_holds(self) -> None:
         """Every held open that ended since the last pass, as a timeline record."""
         if self.hold is None:
@@ -156,6 +188,11 @@ class PeermemHold(GuardSide):
         scanner = self.containers
         while scanner is not None and scanner.reports:
             self.ctx.record(scanner.reports.popleft())
+        # Bursts: an overflow (a held-class open may have gone), opens past a cap, a fault.
+        while self.hold.notices:
+            notice = self.hold.notices.popleft()
+            log.warning("peermem hold: %s (%s times)", notice.get("meaning"), notice.get("count"))
+            self.ctx.record({**notice, "guard": self.ctx.name})
         while self.hold.reports:
             r = self.hold.reports.popleft()
             self.ctx.record(

@@ -18,10 +18,22 @@ while it is young (``recheck_s``); a match whose root is not yet an overlay of
 its own (a wrapper before its ``chroot``) is looked at again too, and named
 only if it still is not when its window ends.
 
-Which processes: ``core/hold.py`` decides from the command line. A
-match is marked only when its root is an overlay of its own (not the host's
-root, which would put every open on the node through the responder); one that
-is not is named once and left alone.
+Which processes: ``core/hold.py`` decides from the command line first. A
+match is marked only when its process can load a module at all: ``CAP_SYS_MODULE``
+in its bounding set (``CapBnd`` in ``/proc/<pid>/status``: no process gains a
+capability its bounding set lacks, and every unprivileged pod lacks this one)
+and the host's user namespace (capabilities are relative to one: ``unshare -U
+-r`` shows a full set inside). Anyone can name a process ``nvidia-driver init``;
+only such a process is worth holding, so no other can put its opens, or its
+root, through the responder. And only when its root is an overlay of its own
+(not the host's root, which would put every open on the node through the
+responder, nor the agent's own); one that is not is named once and left alone.
+
+The root is resolved once (``open_root``: an ``O_PATH`` descriptor of
+``/proc/<pid>/root``); that descriptor is checked and marked, so a process
+flipping its root between the check and the mark cannot get another filesystem
+marked. The kernel's list of marks is read back after marking; a root the
+kernel does not list is unmarked and named. Status shows the device marked.
 
 A marked root is kept while the kernel keeps its mark (``fdinfo``): the kernel
 drops a filesystem mark when its superblock goes (the runtime unmounts the
@@ -35,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import os
 import threading
 import time
@@ -44,9 +55,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.core.hold import matching_rule, split_cmdline
+from nodeagent.host.fanotify import OpenedRoot
 
 OVERLAYFS_SUPER_MAGIC = 0x794C7630
 CMDLINE_BYTES = 4096
+STATUS_BYTES = 8192
+CAP_SYS_MODULE = 16
 
 
 @dataclass(frozen=True)
@@ -64,22 +78,44 @@ class ContainerRoot:
         return f"{os.major(self.dev)}:{os.minor(self.dev)}"
 
 
-def _statfs_type() -> Callable[[str], int | None]:
+def _ns_id(path: str) -> tuple[int, int] | None:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        statfs = libc.statfs
-    except (OSError, AttributeError):
-        return lambda path: None
-    statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-    statfs.restype = ctypes.c_int
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
-    def fs_type(path: str) -> int | None:
-        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-        if statfs(os.fsencode(path), buf) != 0:
-            return None
-        return int(ctypes.c_long.from_buffer(buf).value)  # f_type comes first
 
-    return fs_type
+def module_loader_check(proc: str = "/proc") -> Callable[[int], str | None]:
+    """Why the process ``pid`` can never load a module, or None when it can: from its
+    bounding set (``CapBnd``) and whether it is in the host's user namespace."""
+
+    def why_not(pid: int) -> str | None:
+        try:
+            with open(f"{proc}/{pid}/status", "rb") as f:
+                status = f.read(STATUS_BYTES)
+        except OSError as exc:
+            return f"cannot read its capabilities ({exc.strerror or exc})"
+        bounding = None
+        for line in status.splitlines():
+            if line.startswith(b"CapBnd:"):
+                with contextlib.suppress(ValueError):
+                    bounding = int(line.split(b":", 1)[1].strip()[:16], 16)
+        if bounding is None:
+            return "cannot read its capabilities (no CapBnd in its status)"
+        if not bounding >> CAP_SYS_MODULE & 1:
+            return "it can never load a module (no CAP_SYS_MODULE in its bounding set)"
+        # The agent's own is the host's: a fanotify permission group needs CAP_SYS_ADMIN in
+        # the initial user namespace, so an agent that holds is in it (pid 1 may be
+        # unreadable where the agent is not given CAP_SYS_PTRACE over it).
+        own, host = _ns_id(f"{proc}/{pid}/ns/user"), _ns_id(f"{proc}/self/ns/user")
+        if own is None or host is None:
+            return "cannot read its user namespace"
+        if own != host:
+            return "it can never load a module (not in the host's user namespace)"
+        return None
+
+    return why_not
 
 
 def _stat_dev(path: str) -> int | None:
@@ -95,7 +131,7 @@ class RootScanner:
 
     def __init__(
         self,
-        mark: Callable[[str], None],
+        open_root: Callable[[str], OpenedRoot | None],
         marked_devices: Callable[[], set[int]],
         rules: Sequence[str],
         *,
@@ -104,12 +140,14 @@ class RootScanner:
         recheck_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         on_report: Callable[[], None] = lambda: None,
-        fs_type: Callable[[str], int | None] | None = None,
         dev_of: Callable[[str], int | None] | None = None,
+        may_load: Callable[[int], str | None] | None = None,
     ) -> None:
-        """``fs_type``, ``dev_of``: a root's filesystem type and device (``statfs``,
-        ``stat``; the simulator's kernel gives its own superblocks)."""
-        self.mark = mark
+        """``open_root``: the group's (``FanotifyGroup.open_root``): a root resolved once,
+        checked and marked through that one resolution. ``dev_of``: a path's device (the
+        host's root, a container's liveness; ``stat``). ``may_load``: why a pid can never
+        load a module, or None (``module_loader_check``; the simulator gives its own)."""
+        self.open_root = open_root
         self.marked_devices = marked_devices
         self.rules = tuple(rules)
         self.proc = proc
@@ -117,8 +155,8 @@ class RootScanner:
         self.recheck_s = recheck_s
         self.clock = clock
         self.on_report = on_report
-        self.fs_type = fs_type or _statfs_type()
         self._dev = dev_of or _stat_dev
+        self.may_load = may_load or module_loader_check(proc)
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
         self.reported = 0  # reports ever added (the deque is drained by the loop)
         self.scans = 0
@@ -126,10 +164,13 @@ class RootScanner:
         self._not_yet: dict[int, tuple[str, str]] = {}  # young matches not markable yet: why
         self._settled: set[int] = set()  # pids read for the last time (matched or too old)
         self._roots: dict[int, ContainerRoot] = {}  # dev -> root
+        # The last matches refused, for status: (pid, command, why); bounded.
+        self.refused: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=16)
         self._lock = threading.Lock()  # guards _roots for readers (status)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hold-root-scanner", daemon=True)
         self._host_dev: int | None = None
+        self._own_dev: int | None = None  # the agent's own root: never marked
         self._problem_said: set[str] = set()
 
     # -- the loop's side -------------------------------------------------------
@@ -137,6 +178,7 @@ class RootScanner:
     def prepare(self) -> None:
         """Read what the host's own root is (``start`` does it; a stepped caller too)."""
         self._host_dev = self._dev(f"{self.proc}/1/root")
+        self._own_dev = self._dev(f"{self.proc}/self/root")
 
     def start(self) -> None:
         self.prepare()
@@ -193,28 +235,55 @@ class RootScanner:
         rule = matching_rule(argv, self.rules)
         if rule is None:
             return False
-        root = f"{self.proc}/{pid}/root"
         command = " ".join(argv)[:200]
-        dev = self._dev(root)
-        if dev is None:
-            self._not_yet[pid] = (command, f"cannot stat {root}")
+        cannot = self.may_load(pid)
+        if cannot is not None:
+            # Not final while it is young: a runtime drops capabilities before the exec
+            # that makes the entrypoint, never after; a process gone reads unreadable.
+            self._not_yet[pid] = (command, f"{cannot}; not marked")
             return False
+        root = f"{self.proc}/{pid}/root"
+        opened = self.open_root(root)
+        if opened is None:
+            self._not_yet[pid] = (command, f"cannot open {root}")
+            return False
+        try:
+            return self._mark(pid, first_seen, rule, command, opened)
+        finally:
+            opened.close()
+
+    def _mark(
+        self, pid: int, first_seen: float, rule: str, command: str, opened: OpenedRoot
+    ) -> bool:
+        """Check and mark one resolution of a matching process's root."""
+        dev = opened.dev
         with self._lock:
             known = dev in self._roots
         marks = self._kernel_marks() if known else None
         if known and (marks is None or dev in marks):
             return True  # another process of a container already marked
-        kind = self.fs_type(root)
-        if kind != OVERLAYFS_SUPER_MAGIC or dev == self._host_dev:
-            what = "the host's own root" if dev == self._host_dev else "not an overlay"
+        if opened.fs_type != OVERLAYFS_SUPER_MAGIC or dev in (self._host_dev, self._own_dev):
+            what = (
+                "the host's own root"
+                if dev == self._host_dev
+                else "the agent's own root"
+                if dev == self._own_dev
+                else "not an overlay"
+            )
             # Not final while it is young: a wrapper (``chroot DIR nvidia-driver init``)
             # matches before its chroot; the entrypoint after it has the overlay root.
             self._not_yet[pid] = (command, f"its root is {what}; not marked")
             return False
         try:
-            self.mark(root)
+            opened.mark()
         except OSError as exc:
             self._refuse(pid, command, f"cannot mark its root: {exc.strerror or exc}")
+            return True
+        after = self._kernel_marks()
+        if after is not None and dev not in after:  # what was checked is not what is marked
+            with contextlib.suppress(OSError):
+                opened.unmark()
+            self._refuse(pid, command, "the kernel lists no mark on the root checked; unmarked")
             return True
         now = self.clock()
         marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen)
@@ -274,6 +343,7 @@ class RootScanner:
             return None
 
     def _refuse(self, pid: int, command: str, why: str) -> None:
+        self.refused.append((pid, command, why))
         self._report(
             {
                 "kind": "state-problem",

@@ -1,10 +1,17 @@
 """fanotify permission events through ctypes (pyfanotify refuses permission events).
 
-One group, ``FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK``, marked with
+One group, ``FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK | FAN_UNLIMITED_QUEUE``, marked with
 ``FAN_MARK_FILESYSTEM`` + ``FAN_OPEN_PERM``: every ``open()`` on a marked
 filesystem waits in the kernel until the group answers ``FAN_ALLOW`` or
 ``FAN_DENY``, or the group's descriptor is closed (every pending event is then
 allowed). Facts and kernel lines: ``../shared/research/fanotify-hold.md``.
+
+The queue is unlimited: with a bounded queue (``max_queued_events``, 16384 by
+default) an overflow makes the kernel drop a permission event and *allow* that
+open unanswered, so a held-class open could go through with the gate closed.
+It needs ``CAP_SYS_ADMIN`` at ``fanotify_init``, as the content class does; a
+kernel that refuses it alone gets a group with a bounded queue, said in
+``queue_problem`` (the hold is weaker, not off: see ``FanotifyGroup``).
 
 Rules kept here: the metadata version is checked; events are walked by
 ``event_len``; every event's descriptor is closed once answered; an event
@@ -20,12 +27,14 @@ import errno
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 FAN_CLOEXEC = 0x00000001
 FAN_NONBLOCK = 0x00000002
 FAN_CLASS_CONTENT = 0x00000004
+FAN_UNLIMITED_QUEUE = 0x00000010
 FAN_MARK_ADD = 0x00000001
 FAN_MARK_REMOVE = 0x00000002
 FAN_MARK_FILESYSTEM = 0x00000100
@@ -39,7 +48,32 @@ AT_FDCWD = -100
 METADATA = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 RESPONSE = struct.Struct("=iI")  # fd, response
 METADATA_VERSION = 3
-READ_SIZE = 64 * 1024
+# Events per read: each comes with a descriptor of the agent's until it is answered, so a
+# read is kept small (a content-class event without info records is 24 bytes).
+READ_EVENTS = 128
+READ_SIZE = READ_EVENTS * METADATA.size
+
+
+@dataclass(frozen=True)
+class OpenedRoot:
+    """A root resolved once: its filesystem's device and type, and how to mark and unmark
+    that very filesystem. ``close`` when done (it holds a descriptor, never a mount)."""
+
+    dev: int
+    fs_type: int | None
+    mark: Callable[[], None]
+    unmark: Callable[[], None]
+    close: Callable[[], None]
+
+
+def fstatfs_type(fd: int) -> int | None:
+    """``f_type`` of the filesystem ``fd`` is on (``fstatfs``; works on ``O_PATH``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fstatfs: {os.strerror(err)}")
+    return int(ctypes.c_long.from_buffer(buf).value)  # f_type comes first
 
 
 @dataclass(frozen=True)
@@ -120,13 +154,31 @@ def parse_marked_devices(fdinfo: str) -> set[int]:
 
 
 class FanotifyGroup:
-    """A content-class fanotify group; raises OSError (with errno) when the kernel refuses."""
+    """A content-class fanotify group with an unlimited queue; raises OSError (with errno)
+    when the kernel refuses the group.
 
-    def __init__(self) -> None:
-        self._libc = _libc()
+    If the kernel refuses only ``FAN_UNLIMITED_QUEUE``, the group is made without it and
+    ``queue_problem`` says so in one line: a bounded queue still holds every open until
+    it overflows (and an overflow is counted and said), whereas no group would let every
+    load through, always. ``libc``: a test's stand-in for the C library."""
+
+    def __init__(self, libc: Any = None) -> None:
+        self._libc = libc if libc is not None else _libc()
         flags = FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK
         event_flags = os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
-        fd = self._libc.fanotify_init(flags, event_flags)
+        self.unlimited_queue = True
+        self.queue_problem: str | None = None
+        fd = self._libc.fanotify_init(flags | FAN_UNLIMITED_QUEUE, event_flags)
+        if fd < 0:
+            err = ctypes.get_errno()
+            fd = self._libc.fanotify_init(flags, event_flags)
+            if fd >= 0:
+                self.unlimited_queue = False
+                self.queue_problem = (
+                    f"peermem.hold_loads: the kernel refused FAN_UNLIMITED_QUEUE "
+                    f"({os.strerror(err)}); holding with a bounded queue: if it overflows, "
+                    "the kernel allows the opens it drops, held loads included"
+                )
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_init: {os.strerror(err)}")
@@ -136,13 +188,37 @@ class FanotifyGroup:
     def fileno(self) -> int:
         return self.fd
 
-    def _mark(self, flags: int, path: str) -> None:
+    def _mark(self, flags: int, path: str, dirfd: int = AT_FDCWD) -> None:
         rc = self._libc.fanotify_mark(
-            self.fd, flags | FAN_MARK_FILESYSTEM, FAN_OPEN_PERM, AT_FDCWD, os.fsencode(path)
+            self.fd, flags | FAN_MARK_FILESYSTEM, FAN_OPEN_PERM, dirfd, os.fsencode(path)
         )
         if rc < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
+
+    def open_root(self, path: str) -> OpenedRoot | None:
+        """``path`` (a container's ``/proc/<pid>/root``) resolved once, to an ``O_PATH``
+        descriptor: what is checked (``fstat``, ``fstatfs``) is what is marked (``"."``
+        relative to it: an ``O_PATH`` dirfd with a NULL path is EBADF). None when it does
+        not resolve. An ``O_PATH`` open raises no fanotify event, even on a marked
+        filesystem."""
+        try:
+            fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            dev = os.fstat(fd).st_dev
+            kind = fstatfs_type(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        return OpenedRoot(
+            dev=dev,
+            fs_type=kind,
+            mark=lambda: self._mark(FAN_MARK_ADD, ".", fd),
+            unmark=lambda: self._mark(FAN_MARK_REMOVE, ".", fd),
+            close=lambda: os.close(fd),
+        )
 
     def mark_filesystem(self, path: str) -> None:
         """Hold every open on the filesystem that ``path`` is on (any mount of it)."""

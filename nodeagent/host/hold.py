@@ -13,7 +13,13 @@ filesystems (``host/fanotify.py``, or any ``EventSource``):
    the gate reads closed, and allowed the moment it reads open, when its hold
    budget runs out, or when the responder stops;
 4. anything it cannot identify (pid 0: the agent does not see the opener's pid
-   namespace) is allowed: the hold never blocks what it cannot name.
+   namespace) is allowed: the hold never blocks what it cannot name;
+5. past a cap on held opens (``HELD_PER_CONTAINER`` per opener's mount namespace,
+   ``HELD_TOTAL`` in all; each keeps a descriptor) an open is allowed at once.
+
+What is not a single open's report (a queue overflow, opens past a cap, an error it
+survived: it never dies of one) is a notice, one per burst. ``start_hold`` raises the
+descriptor limit first and fits the caps in it (``descriptor_budget``).
 
 It never waits on a pass, a plan, a lock or a disk write: ``gate_open()`` reads
 the last decision, and the loop calls ``wake()`` after each one. It writes no
@@ -26,17 +32,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
+import resource
 import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from nodeagent.core.hold import held_open
 from nodeagent.host.events import Poke
-from nodeagent.host.fanotify import EventSource, FanotifyGroup, PermEvent
+from nodeagent.host.fanotify import (
+    READ_EVENTS,
+    EventSource,
+    FanotifyGroup,
+    OpenedRoot,
+    PermEvent,
+)
 
 # kmod is one binary for modprobe, insmod, modinfo, depmod...: its exe says "kmod" for all
 # of them, its comm (argv[0]'s name) says which. So "kmod" alone names no loader.
@@ -60,6 +74,99 @@ class _Held:
     opener: str
     path: str
     began: float
+    container: str = "?"  # the opener's (``mount_namespace``), for the cap per container
+
+
+# Caps on opens held at once (each keeps an event descriptor in the agent until answered):
+# per opener's container, and in all. Constants for now, not policy: a new policy field
+# needs docs/configuration.md. 64 is far above a driver container's handful of loads.
+HELD_PER_CONTAINER = 64
+HELD_TOTAL = 256
+# Descriptors kept for the agent's own writes, endpoints' connections and /proc reads, on
+# top of what the hold may have at once (held opens and one read's events).
+FD_RESERVE = 256
+# After an EMFILE/ENFILE the responder waits this long (or for a wake-up) before reading
+# the group again: each failed read costs the kernel one event (it denies it).
+FAULT_BACKOFF_S = 0.1
+
+# A burst of one kind of trouble (an overflow, ...) ends after this long without another:
+# one notice per burst, with its count, never one per event.
+BURST_QUIET_S = 2.0
+
+OVERFLOW_MEANING = (
+    "the kernel's fanotify queue overflowed: it dropped permission events and allowed "
+    "those opens unanswered, so a held-class open (a load of nvidia-peermem.ko or of an "
+    "inbox RDMA module) may have gone through"
+)
+
+
+@dataclass
+class _Burst:
+    """Occurrences of one kind gathered until ``BURST_QUIET_S`` passes without another."""
+
+    began: float
+    last: float
+    kind: str = ""  # the notice's record kind
+    count: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DescriptorBudget:
+    """The agent's descriptors as the hold planned them at start: ``limit`` (the soft
+    ``RLIMIT_NOFILE``, raised to ``hard``), ``reserve`` kept for the rest of the agent,
+    and the caps on held opens that fit in what is left with one read's events."""
+
+    limit: int
+    hard: int
+    reserve: int
+    held_total: int
+    held_per_container: int
+    read_events: int = READ_EVENTS
+
+    def status(self) -> dict[str, int]:
+        return {
+            "limit": self.limit,
+            "hard": self.hard,
+            "reserve": self.reserve,
+            "held_total": self.held_total,
+            "held_per_container": self.held_per_container,
+            "per_read": self.read_events,
+        }
+
+
+def descriptor_budget(
+    getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit,
+    setrlimit: Callable[[int, tuple[int, int]], None] = resource.setrlimit,
+) -> tuple[DescriptorBudget, list[str]]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit and fit the caps on held opens
+    in it, keeping ``FD_RESERVE`` for the rest of the agent; (budget, problems)."""
+    problems: list[str] = []
+    soft, hard = getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            problems.append(
+                f"peermem.hold_loads: cannot raise the descriptor limit from {soft} to {hard}: "
+                f"{exc}"
+            )
+    room = max(0, soft - FD_RESERVE - READ_EVENTS)
+    total = min(HELD_TOTAL, room)
+    if total < HELD_TOTAL:
+        problems.append(
+            f"peermem.hold_loads: a descriptor limit of {soft} (hard {hard}) leaves room for "
+            f"{total} held opens, not {HELD_TOTAL}; past that, loads go on at once"
+        )
+    budget = DescriptorBudget(
+        limit=soft,
+        hard=hard,
+        reserve=FD_RESERVE,
+        held_total=total,
+        held_per_container=min(HELD_PER_CONTAINER, total),
+    )
+    return budget, problems
 
 
 def is_loader(pid: int, proc: str = "/proc") -> tuple[bool, str]:
@@ -86,6 +193,24 @@ def event_path(event: PermEvent) -> str:
         return "?"
 
 
+def mount_namespace(pid: int, proc: str = "/proc") -> str:
+    """Whose container an opener is in, for the caps: its mount namespace
+    (``mnt:[4026532xxx]``, a readlink: no open). Every container has one of its own, and
+    its processes share it whatever their root; leaving it takes ``CAP_SYS_ADMIN``, and
+    then the cap in total still holds. ``?`` when unreadable (one shared bucket)."""
+    try:
+        return os.readlink(f"{proc}/{pid}/ns/mnt")
+    except OSError:
+        return "?"
+
+
+def _fault_name(exc: BaseException) -> str:
+    """A bounded word for an error: ``EMFILE``, ``ENFILE``, ``OSError`` or the class name."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return errno.errorcode[exc.errno]
+    return type(exc).__name__
+
+
 class Responder:
     def __init__(
         self,
@@ -99,11 +224,20 @@ class Responder:
         on_report: Callable[[], None] = lambda: None,
         proc: str = "/proc",
         path_of: Callable[[PermEvent], str] = lambda event: event_path(event),
+        burst_quiet_s: float = BURST_QUIET_S,
+        held_per_container: int = HELD_PER_CONTAINER,
+        held_total: int = HELD_TOTAL,
+        container_of: Callable[[int], str] | None = None,
+        descriptors: DescriptorBudget | None = None,
     ) -> None:
         """``on_report``: called (from the responder thread, so it must not block or open a
-        file) when a report is added: the loop records it on its next pass. ``proc``,
-        ``path_of``: where openers and opened files are read (the simulator's kernel
-        gives its own)."""
+        file) when a report or a notice is added: the loop records it on its next pass.
+        ``proc``, ``path_of``: where openers and opened files are read (the simulator's
+        kernel gives its own). ``held_per_container``, ``held_total``: the caps on opens
+        held at once (each keeps a descriptor); past either, an open is allowed at once
+        and said, once per burst. ``container_of``: an opener's container, for the first
+        cap (default: its mount namespace). ``descriptors``: the budget the caps fit in,
+        for status."""
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
@@ -111,14 +245,37 @@ class Responder:
         self.clock = clock
         self.proc = proc
         self.loader_of = loader_of or (lambda pid: is_loader(pid, proc))
+        self.container_of = container_of or (lambda pid: mount_namespace(pid, proc))
         self.path_of = path_of
         self.on_report = on_report
+        self.held_per_container = held_per_container
+        self.held_total = held_total
+        self.descriptors = descriptors
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
-        self.reported = 0  # reports ever added (the deque is drained by the loop)
+        self.reported = 0  # reports and notices ever added (the deques are drained by the loop)
         # no_fd: the kernel could not open the file for us (e.g. our descriptors ran out)
-        # and denied that open itself; overflow: the kernel's queue overflowed.
-        self.counts = {"allowed": 0, "held": 0, "unidentified": 0, "overflow": 0, "no_fd": 0}
+        # and denied that open itself; overflow: the kernel's queue overflowed; over_cap:
+        # held-class opens allowed at once past a cap; faults: errors survived.
+        self.counts = {
+            "allowed": 0,
+            "held": 0,
+            "unidentified": 0,
+            "overflow": 0,
+            "no_fd": 0,
+            "over_cap": 0,
+            "faults": 0,
+        }
+        # Event descriptors the responder had at once at most (held + one read's).
+        self.peak_descriptors = 0
+        # Timeline records of bursts (an overflow, opens past a cap, a fault), one per
+        # burst once it is over, for the loop to record with the held opens' reports.
+        self.notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+        self.burst_quiet_s = burst_quiet_s
+        self._bursts: dict[str, _Burst] = {}  # by notice key; the responder thread's own
         self._held: list[_Held] = []
+        self._per_container: collections.Counter[str] = collections.Counter()
+        self._answering: PermEvent | None = None  # read, not yet answered nor held
+        self._backoff = False  # an EMFILE/ENFILE: wait a little before reading again
         self._lock = threading.Lock()  # guards _held for readers (status); never held long
         self._wake = Poke()
         self._stopping = False
@@ -139,6 +296,10 @@ class Responder:
         with self._lock:
             return [(h.event.pid, h.opener, h.path, now - h.began) for h in self._held]
 
+    def alive(self) -> bool:
+        """Answering (a thread that runs), or stepped by its owner."""
+        return self._thread.is_alive() or self._thread.ident is None
+
     def stop(self, timeout: float = 2.0) -> None:
         """Allow everything held, stop answering, close the source (the kernel allows the
         rest)."""
@@ -148,37 +309,158 @@ class Responder:
             self._thread.join(timeout)
         elif self._thread.ident is None:  # stepped, never a thread: release here
             self._release(stopping=True)
+            self._end_bursts(stopping=True)
         self.source.close()
         self._wake.close()
 
     # -- the responder thread ------------------------------------------------------
 
     def _run(self) -> None:
+        """Never dies of an exception: each is noted (a ``hold-fault`` per burst) and the
+        loop goes on; after an EMFILE/ENFILE it waits ``FAULT_BACKOFF_S`` (or a wake-up)
+        before reading again, so it does not spin."""
         poller = select.poll()
         poller.register(self.source.fileno(), select.POLLIN)
         poller.register(self._wake.fileno(), select.POLLIN)
+        pause = select.poll()
+        pause.register(self._wake.fileno(), select.POLLIN)
         while not self._stopping:
-            with contextlib.suppress(InterruptedError):
-                poller.poll(self._timeout_ms())
-            self.step()
-        self._release(stopping=True)
+            try:
+                with contextlib.suppress(InterruptedError):
+                    poller.poll(self._timeout_ms())
+                self.step()
+                if self._backoff:
+                    self._backoff = False
+                    with contextlib.suppress(InterruptedError):
+                        pause.poll(int(FAULT_BACKOFF_S * 1000))
+            except Exception as exc:  # (step catches its own: this is the last net)
+                self._fault(exc)
+        try:
+            self._release(stopping=True)
+        finally:
+            self._end_bursts(stopping=True)
 
     def step(self) -> None:
         """One round: take the wake-ups, answer every event read, release what may go.
-        The thread runs it after each wait; the simulator calls it between its steps."""
+        The thread runs it after each wait; the simulator calls it between its steps.
+        Raises nothing: an event whose answer failed is allowed if it can still be."""
         self._wake.drain()
-        for event in self.source.read():
-            self._answer(event)
-        self._release()
+        try:
+            events = self.source.read()
+        except Exception as exc:  # EMFILE/ENFILE: the kernel denied the event it could not
+            self._fault(exc)  # give a descriptor for; nothing was read, nothing is pending
+            events = []
+        with self._lock:
+            held = len(self._held)
+        self.peak_descriptors = max(self.peak_descriptors, held + len(events))
+        for event in events:
+            self._answering = event
+            try:
+                self._answer(event)
+            except Exception as exc:
+                self._fault(exc)
+                self._allow_pending()
+            self._answering = None
+        try:
+            self._release()
+        except Exception as exc:
+            self._fault(exc)
+        self._end_bursts()
+
+    def _allow_pending(self) -> None:
+        """Allow the event being answered if no answer was attempted yet (an answer that
+        failed closed its descriptor already: never twice)."""
+        event, self._answering = self._answering, None
+        if event is not None:
+            with contextlib.suppress(Exception):
+                self._allow(event)
+
+    def _fault(self, exc: BaseException) -> None:
+        self.counts["faults"] += 1
+        name = _fault_name(exc)
+        if name in ("EMFILE", "ENFILE"):
+            self._backoff = True
+        self._note(
+            "hold-fault", key=f"hold-fault:{name}", first={"fault": name, "error": str(exc)[:200]}
+        )
 
     def _timeout_ms(self) -> int | None:
+        dues = [b.last + self.burst_quiet_s for b in list(self._bursts.values())]
         with self._lock:
-            if not self._held:
-                return None
-            due = min(h.began for h in self._held) + self.budget_s
-        return max(0, int((due - self.clock()) * 1000) + 1)
+            if self._held:
+                dues.append(min(h.began for h in self._held) + self.budget_s)
+        if not dues:
+            return None
+        return max(0, int((min(dues) - self.clock()) * 1000) + 1)
+
+    def _note(
+        self,
+        kind: str,
+        *,
+        key: str | None = None,
+        first: dict[str, Any] | None = None,
+        **detail: Any,
+    ) -> None:
+        """One more occurrence of ``kind`` in its burst (``key``: kind by default; a new
+        burst after a quiet spell). ``first``: what the burst's first occurrence says;
+        ``detail``: numbers are added up over the burst, flags or-ed."""
+        now = self.clock()
+        key = key or kind
+        burst = self._bursts.get(key)
+        if burst is None:
+            burst = self._bursts[key] = _Burst(began=now, last=now, kind=kind)
+            burst.detail.update(first or {})
+        burst.last = now
+        burst.count += 1
+        for k, v in detail.items():
+            if isinstance(v, bool):
+                burst.detail[k] = burst.detail.get(k, False) or v
+            else:
+                burst.detail[k] = burst.detail.get(k, 0) + v
+
+    def _end_bursts(self, stopping: bool = False) -> None:
+        """A notice for each burst that has been quiet for ``burst_quiet_s`` (each, when
+        stopping)."""
+        now = self.clock()
+        ended = [
+            k for k, b in self._bursts.items() if stopping or now - b.last >= self.burst_quiet_s
+        ]
+        for key in ended:
+            b = self._bursts.pop(key)
+            notice: dict[str, Any] = {
+                "kind": b.kind,
+                "count": b.count,
+                "seconds": b.last - b.began,
+            }
+            notice.update(b.detail)
+            notice["meaning"] = self._meaning(b)
+            self.notices.append(notice)
+            self.reported += 1
+        if ended:
+            self.on_report()
+
+    def _meaning(self, b: _Burst) -> str:
+        if b.kind == "hold-overflow":
+            return OVERFLOW_MEANING + (
+                " while the gate was closed"
+                if b.detail.get("gate_closed")
+                else "; the gate was open at each overflow, so none would have been held"
+            )
+        if b.kind == "hold-over-cap":
+            return (
+                f"module loaders' opens past the hold's caps ({self.held_per_container} held "
+                f"per container, {self.held_total} in all) were allowed at once, gate "
+                "closed: a flood of loads; each held open keeps a descriptor of the agent's"
+            )
+        return "the responder survived an error and went on" + (
+            f" (out of descriptors: reads waited {FAULT_BACKOFF_S:g} s; the kernel "
+            "denies an open it cannot give a descriptor for)"
+            if b.detail.get("fault") in ("EMFILE", "ENFILE")
+            else "; an event it was answering was allowed"
+        )
 
     def _allow(self, event: PermEvent) -> None:
+        self._answering = None  # an answer attempted: never again, even if it fails
         self.source.respond(event, True)
         self.counts["allowed"] += 1
 
@@ -186,8 +468,9 @@ class Responder:
         if event.pid == self.own_pid:  # first: the agent's own opens never wait on it
             self._allow(event)
             return
-        if event.overflow:
-            self.counts["overflow"] += 1
+        if event.overflow:  # the kernel allowed what it dropped: say so, once per burst
+            self._note("hold-overflow", gate_closed=not self.gate_open())
+            self.counts["overflow"] += 1  # (after the note: a reader of counts sees both)
             self._allow(event)
             return
         if event.fd < 0:
@@ -205,8 +488,27 @@ class Responder:
         if not loader or self.gate_open():
             self._allow(event)
             return
+        container = self.container_of(event.pid)
         with self._lock:
-            self._held.append(_Held(event, name, path, self.clock()))
+            if len(self._held) >= self.held_total:
+                over = "total"
+            elif self._per_container[container] >= self.held_per_container:
+                over = "container"
+            else:
+                over = ""
+                self._held.append(_Held(event, name, path, self.clock(), container))
+                self._per_container[container] += 1
+        if over:  # past a cap: allowed at once, said once per burst
+            self._note(
+                "hold-over-cap",
+                first={"pid": event.pid, "opener": name, "container": container},
+                past_container_cap=int(over == "container"),
+                past_total_cap=int(over == "total"),
+            )
+            self.counts["over_cap"] += 1
+            self._allow(event)
+            return
+        self._answering = None  # held: answered by _release
         self.counts["held"] += 1
 
     def _release(self, stopping: bool = False) -> None:
@@ -230,8 +532,15 @@ class Responder:
                 else:
                     keep.append(h)
             self._held = keep
+            for h, _why in done:
+                self._per_container[h.container] -= 1
+                if self._per_container[h.container] <= 0:
+                    del self._per_container[h.container]
         for h, why in done:
-            self._allow(h.event)
+            try:
+                self._allow(h.event)
+            except Exception as exc:  # the rest are still answered
+                self._fault(exc)
             self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))
             self.reported += 1
         if done:
@@ -256,6 +565,8 @@ class HoldGroup(EventSource, Protocol):
 
     def mark_filesystem(self, path: str) -> None: ...
 
+    def open_root(self, path: str) -> OpenedRoot | None: ...
+
     def marked_devices(self) -> set[int]: ...
 
 
@@ -270,7 +581,9 @@ class HoldHost:
     host_pids: Callable[[], bool] = lambda: sees_host_pids()
     path_of: Callable[[PermEvent], str] = lambda event: event_path(event)
     dev_of: Callable[[str], int | None] | None = None  # a root's device (default: stat)
-    fs_type: Callable[[str], int | None] | None = None  # a root's fs type (default: statfs)
+    # Why a pid's process can never load a module, or None if it can (default: its
+    # bounding set and user namespace under ``proc``; containers.py).
+    may_load: Callable[[int], str | None] | None = None
     threaded: bool = True
     clock: Callable[[], float] = time.monotonic  # budgets and ages
 
@@ -286,6 +599,7 @@ def start_hold(
     containers: bool = False,
     on_report: Callable[[], None] = lambda: None,
     host: HoldHost | None = None,
+    budget: DescriptorBudget | None = None,
 ) -> tuple[Responder | None, list[str], list[str]]:
     """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
     ``host``: where openers and files are read, and whether the responder gets a thread
@@ -293,7 +607,8 @@ def start_hold(
 
     Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
     nothing marked and no container roots to come (``containers``); a root that cannot be
-    marked is named and skipped.
+    marked is named and skipped. Before it starts, the descriptor limit is raised and the
+    caps on held opens fitted in it (``budget``: a test's own plan instead).
     """
     if not host_pids:
         source.close()
@@ -321,6 +636,9 @@ def start_hold(
         source.close()
         return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
     host = host or HoldHost(group=FanotifyGroup)
+    if budget is None:
+        budget, budget_problems = descriptor_budget()
+        problems.extend(budget_problems)
     responder = Responder(
         source,
         gate_open=gate_open,
@@ -329,6 +647,9 @@ def start_hold(
         proc=host.proc,
         path_of=host.path_of,
         clock=host.clock,
+        held_per_container=budget.held_per_container,
+        held_total=budget.held_total,
+        descriptors=budget,
     )
     if host.threaded:
         responder.start()

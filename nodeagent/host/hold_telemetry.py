@@ -11,7 +11,16 @@ gauge reads 0).
   so the label stays bounded);
 - ``hold-root-marked`` / ``hold-root-gone`` (a driver container's root marked as
   it starts, unmarked as it goes) raise / lower
-  ``nodeagent_peermem_hold_container_roots``.
+  ``nodeagent_peermem_hold_container_roots``;
+- ``hold-overflow`` (one per burst of fanotify queue overflows, with its ``count``)
+  adds ``count`` to ``nodeagent_peermem_hold_overflows_total``: each overflow is
+  a time the kernel allowed opens it dropped, so a held-class open may have gone
+  through;
+- ``hold-over-cap`` (one per burst of module loaders' opens allowed at once past the
+  caps on held opens) adds ``count`` to ``nodeagent_peermem_hold_over_cap_total``;
+- ``hold-fault`` (one per burst of errors the responder survived, e.g. out of
+  descriptors) adds ``count`` to ``nodeagent_peermem_hold_faults_total{fault}``,
+  ``fault`` being ``EMFILE``, ``ENFILE`` or ``other``.
 """
 
 from __future__ import annotations
@@ -36,6 +45,33 @@ CONTAINER_ROOTS = MetricFamily(
     "Driver containers' roots marked by the fanotify hold now (found as they start)",
 )
 
+OVERFLOWS = MetricFamily(
+    "nodeagent_peermem_hold_overflows_total",
+    "counter",
+    "fanotify queue overflows seen by the hold: the kernel allowed the opens it dropped, "
+    "so a held-class open (a load of nvidia-peermem) may have gone through",
+)
+
+OVER_CAP = MetricFamily(
+    "nodeagent_peermem_hold_over_cap_total",
+    "counter",
+    "Module loaders' opens the fanotify hold allowed at once, gate closed, because the "
+    "caps on held opens (per container, in all) were reached: a flood of loads",
+)
+FAULTS = MetricFamily(
+    "nodeagent_peermem_hold_faults_total",
+    "counter",
+    "Errors the fanotify hold's responder survived, by kind (EMFILE, ENFILE: out of "
+    "descriptors; other)",
+    ("fault",),
+)
+FAULT_KINDS = frozenset({"EMFILE", "ENFILE"})
+
+
+def _count(rec: Mapping[str, Any]) -> float:
+    n = rec.get("count")
+    return float(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1.0
+
 
 def hold_samples(rec: Mapping[str, Any]) -> list[Sample]:
     """One record's changes to the hold's series (none for a record it does not read)."""
@@ -47,7 +83,17 @@ def hold_samples(rec: Mapping[str, Any]) -> list[Sample]:
         return [Sample(CONTAINER_ROOTS.name, value=1.0)]
     if kind == "hold-root-gone":
         return [Sample(CONTAINER_ROOTS.name, value=-1.0)]
+    if kind == "hold-overflow":
+        return [Sample(OVERFLOWS.name, value=_count(rec))]
+    if kind == "hold-over-cap":
+        return [Sample(OVER_CAP.name, value=_count(rec))]
+    if kind == "hold-fault":
+        fault = str(rec.get("fault"))
+        labels = {"fault": fault if fault in FAULT_KINDS else "other"}
+        return [Sample(FAULTS.name, labels, value=_count(rec))]
     return []
 
 
-HOLD_TELEMETRY = RecordTelemetry("hold", (HELD_OPENS, CONTAINER_ROOTS), hold_samples)
+HOLD_TELEMETRY = RecordTelemetry(
+    "hold", (HELD_OPENS, CONTAINER_ROOTS, OVERFLOWS, OVER_CAP, FAULTS), hold_samples
+)

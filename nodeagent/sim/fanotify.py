@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nodeagent.host.events import Poke
-from nodeagent.host.fanotify import FAN_OPEN_PERM, PermEvent
+from nodeagent.host.fanotify import FAN_OPEN_PERM, OpenedRoot, PermEvent
 from nodeagent.sim.clock import Actor, Scheduler
 
 __all__ = ["PendingOpen", "SimFanotify"]
@@ -62,6 +62,8 @@ class MarkedKernel(Protocol):
 
     def superblock_at(self, path: str) -> int | None: ...
 
+    def fs_type_at(self, path: str) -> int | None: ...
+
 
 class SimFanotify:
     def __init__(self, kernel: MarkedKernel) -> None:
@@ -87,6 +89,23 @@ class SimFanotify:
     def unmark_filesystem(self, path: str) -> None:
         sb = self.kernel.superblock_at(path)
         self.marks.discard(sb if sb is not None else -1)
+
+    def open_root(self, path: str) -> OpenedRoot | None:
+        """As the kernel's group does it: one resolution of ``path``, marked as resolved."""
+        sb = self.kernel.superblock_at(path)
+        if sb is None:
+            return None
+
+        def mark() -> None:
+            self.marks.add(sb)
+
+        return OpenedRoot(
+            dev=sb,
+            fs_type=self.kernel.fs_type_at(path),
+            mark=mark,
+            unmark=lambda: self.marks.discard(sb),
+            close=lambda: None,
+        )
 
     def marked_devices(self) -> set[int]:
         return {sb for sb in self.marks if sb in self.kernel.superblocks.values()}

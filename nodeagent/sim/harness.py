@@ -96,7 +96,7 @@ class SimAgent:
             host_pids=lambda: True,
             path_of=k.event_path,
             dev_of=k.superblock_at,
-            fs_type=k.fs_type_at,
+            may_load=lambda pid: None,  # the seeds' driver containers are privileged
             threaded=False,
             clock=node.sched.now,
         )

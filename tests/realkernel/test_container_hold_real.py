@@ -131,7 +131,7 @@ def rig(built_modules: Callable[[KModule], Path], tmp_path: Path) -> Iterator[Ri
     responder = Responder(group, gate_open=gate.is_set, budget_s=60.0)
     responder.start()
     scanner = RootScanner(
-        group.mark_filesystem, group.marked_devices, DRIVER_CONTAINER_RULES, interval_s=0.1
+        group.open_root, group.marked_devices, DRIVER_CONTAINER_RULES, interval_s=0.1
     )
     scanner.start()
     r = Rig(lower, top / "starts", kver, gate, group, responder, scanner, mofed_ko, [])
@@ -216,7 +216,7 @@ from nodeagent.core.hold import DRIVER_CONTAINER_RULES
 from nodeagent.host.containers import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
 group = FanotifyGroup()
-scanner = RootScanner(group.mark_filesystem, group.marked_devices, DRIVER_CONTAINER_RULES,
+scanner = RootScanner(group.open_root, group.marked_devices, DRIVER_CONTAINER_RULES,
                       recheck_s=0.0)
 scanner._host_dev = scanner._dev("/proc/1/root")
 scanner.scan()
@@ -260,4 +260,7 @@ def test_marking_a_privileged_containers_root_needs_sys_ptrace(
         assert kinds["hold-root-marked"]["pid"] == c.pid
     else:
         assert "hold-root-marked" not in kinds
-        assert f"cannot stat /proc/{c.pid}/root" in kinds["state-problem"]["problem"]
+        # Without CAP_SYS_PTRACE the agent cannot read its user namespace (the same ptrace
+        # access check as its root): refused before its root is ever opened.
+        problem = kinds["state-problem"]["problem"]
+        assert f"(pid {c.pid}): cannot read its user namespace; not marked" in problem

@@ -130,12 +130,12 @@ def test_the_scanner_and_the_responder_read_the_simulated_proc(kernel: SimKernel
         "nvidia-driver-ctr",
     )
     scanner = RootScanner(
-        group.mark_filesystem,
+        group.open_root,
         group.marked_devices,
         DRIVER_CONTAINER_RULES,
         proc=str(kernel.proc_dir),
         dev_of=kernel.superblock_at,
-        fs_type=kernel.fs_type_at,
+        may_load=lambda pid: None,
         clock=kernel.now,
     )
     scanner.prepare()
