@@ -886,6 +886,8 @@ def test_an_error_while_answering_allows_that_open_and_the_responder_goes_on(
     assert notice["fault"] == "RuntimeError" and "was allowed" in notice["meaning"]
 
 
+# Its first process waits for the others: it ends only when every open of the flood has
+# ended, failing if any failed.
 FLOOD = r"""
 import ctypes, os, sys, threading
 
@@ -893,9 +895,13 @@ import ctypes, os, sys, threading
 ctypes.CDLL(None).prctl(15, b"modprobe", 0, 0, 0)
 target, procs, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ready, go = int(sys.argv[4]), int(sys.argv[5])
+children = []
 for _ in range(procs - 1):  # a few processes of one container (one mount namespace)
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
+        children = []
         break
+    children.append(pid)
 threading.stack_size(256 * 1024)
 start = threading.Event()
 failed = []
@@ -915,8 +921,38 @@ os.read(go, 1)
 start.set()
 for w in workers:
     w.join()
-os._exit(1 if failed else 0)
+bad = [os.waitpid(c, 0)[1] for c in children]
+os._exit(1 if failed or any(bad) else 0)
 """
+
+
+def start_flood(tmp: Path, target: Path, procs: int, threads: int) -> subprocess.Popen[bytes]:
+    """``procs`` processes of ``threads`` threads named ``modprobe``, in one mount namespace
+    of their own (one container), all opening ``target`` at once: started, every thread
+    ready, then released together. The flood's process group is its own."""
+    script = tmp / "flood.py"
+    script.write_text(FLOOD)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    args = [str(target), str(procs), str(threads), str(ready_w), str(go_r)]
+    flood = subprocess.Popen(
+        ["unshare", "-m", sys.executable, str(script), *args],
+        pass_fds=(ready_w, go_r),
+        start_new_session=True,
+    )
+    os.close(ready_w)
+    os.close(go_r)
+    try:
+        got = b""
+        while len(got) < procs:  # every thread started (a hang: the test's timeout)
+            chunk = os.read(ready_r, procs)
+            assert chunk, "a flood process died before it was ready"
+            got += chunk
+        os.write(go_w, b"g" * procs)
+    finally:
+        os.close(ready_r)
+        os.close(go_w)
+    return flood
 
 
 def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood: Marked) -> None:
@@ -929,28 +965,11 @@ def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood:
 
     m, responder = marked_flood, marked_flood.responder
     tmp = Path(m.modprobe).parent
-    script = tmp / "flood.py"
-    script.write_text(FLOOD)
     procs, threads = 4, 500
     total = procs * threads
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    args = [str(m.target), str(procs), str(threads), str(ready_w), str(go_r)]
-    flood = subprocess.Popen(
-        ["unshare", "-m", sys.executable, str(script), *args],
-        pass_fds=(ready_w, go_r),
-        start_new_session=True,
-    )
-    os.close(ready_w)
-    os.close(go_r)
+    flood = start_flood(tmp, m.target, procs, threads)
     other_loader = None
     try:
-        got = b""
-        while len(got) < procs:  # every thread started (a hang: the test's timeout)
-            chunk = os.read(ready_r, procs)
-            assert chunk, "a flood process died before it was ready"
-            got += chunk
-        os.write(go_w, b"g" * procs)
         over = total - HELD_PER_CONTAINER
         until(lambda: responder.counts["over_cap"] == over, "the opens past the cap")
         assert len(responder.held()) == HELD_PER_CONTAINER
@@ -1005,5 +1024,3 @@ def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood:
         if other_loader is not None:
             other_loader.kill()
             other_loader.wait(WAIT)
-        for fd in (ready_r, go_w):
-            os.close(fd)
