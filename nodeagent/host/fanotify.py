@@ -66,11 +66,11 @@ class OpenedRoot:
     close: Callable[[], None]
 
 
-def fstatfs_type(fd: int) -> int | None:
-    """``f_type`` of the filesystem ``fd`` is on (``fstatfs``; works on ``O_PATH``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
+def fstatfs_type(libc: Any, fd: int) -> int | None:
+    """``f_type`` of the filesystem ``fd`` is on (``fstatfs``; works on ``O_PATH``), through
+    the group's C library (``_libc``)."""
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if libc.fstatfs(ctypes.c_int(fd), buf) != 0:
+    if libc.fstatfs(fd, buf) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"fstatfs: {os.strerror(err)}")
     return int(ctypes.c_long.from_buffer(buf).value)  # f_type comes first
@@ -114,6 +114,8 @@ def _libc() -> Any:
         ctypes.c_char_p,
     ]
     libc.fanotify_mark.restype = ctypes.c_int
+    libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fstatfs.restype = ctypes.c_int
     return libc
 
 
@@ -208,7 +210,7 @@ class FanotifyGroup:
             return None
         try:
             dev = os.fstat(fd).st_dev
-            kind = fstatfs_type(fd)
+            kind = fstatfs_type(self._libc, fd)
         except OSError:
             os.close(fd)
             return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -217,13 +217,13 @@ class Agent:
         """What a killed write left behind (``write_atomic``'s temp files) in the agent's own
         directories; ``run`` holds the single-agent lock, so no live writer's file goes."""
         paths = self.cfg.paths
-        own: list[tuple[str, Collection[str] | None]] = [
-            (paths.state_dir, None),
-            (paths.timeline_dir, None),
-            *(w for side in self.sides.values() for w in side.writes().items()),
-            *self.exporters.writes(),
-        ]
-        for d, only in own:
+        # Each directory once: the file names that are ours there, or None (all are).
+        own: dict[str, set[str] | None] = {paths.state_dir: None, paths.timeline_dir: None}
+        writes = [w for side in self.sides.values() for w in side.writes().items()]
+        for d, names in [*writes, *self.exporters.writes()]:
+            mine = own.get(d, set())
+            own[d] = None if mine is None or names is None else mine | set(names)
+        for d, only in own.items():
             removed = self.host.remove_orphaned_temps(d, only) if d else []
             if removed:
                 log.info("removed what killed writes left in %s: %s", d, removed)
