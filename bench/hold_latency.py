@@ -10,8 +10,13 @@
    flag -> the loader's exit (its open allowed, the file read). Then the flag
    is removed and the agent closes the gate again.
 2. A compile-like workload: one process opening and closing ``--opens`` other
-   files of the marked filesystem, timed without the mark and with it (the
-   agent's responder answering every open), alternating, in one run.
+   files of the marked filesystem, timed without the mark and with it, the
+   responder answering every open in a thread of this process or in a process
+   of its own (as the agent runs it), alternating, in one run.
+3. The same opens (``--busy-opens`` of them) while this process (standing for
+   the agent) is busy in Python in another thread, holding the GIL as a long
+   pass does: the thread responder waits for the GIL at each open, the
+   process apart does not.
 
 Needs root (mount, fanotify) and host PIDs; says so and exits 0 otherwise.
 """
@@ -35,7 +40,8 @@ from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.guards.peermem_hold import PeermemHold
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import Responder, sees_host_pids
+from nodeagent.host.hold import Responder, descriptor_budget, sees_host_pids
+from nodeagent.host.responder_apart import spawner
 from nodeagent.sim.node import READY, Node
 from nodeagent.sim.scenarios import stack_node
 
@@ -109,7 +115,14 @@ def latency(root: Path, node: Node, trials: int) -> list[float]:
     return out
 
 
-def mark_cost(root: Path, opens: int, rounds: int) -> tuple[list[float], list[float]]:
+def _busy(stop: threading.Event) -> None:
+    """Pure-Python work holding the GIL between switches, as a long pass does."""
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+def mark_cost(root: Path, opens: int, rounds: int, busy_opens: int) -> dict[str, list[float]]:
+    """Seconds per round of each arm, the arms alternating within each round."""
     files_dir = root / "run/nvidia/driver/usr/include"
     files_dir.mkdir(parents=True, exist_ok=True)
     files = []
@@ -117,22 +130,42 @@ def mark_cost(root: Path, opens: int, rounds: int) -> tuple[list[float], list[fl
         f = files_dir / f"h{i}.h"
         f.write_text("#define X 1\n")
         files.append(str(f))
-    argv = [sys.executable, "-c", OPENER, str(opens), *files]
-    without: list[float] = []
-    marked: list[float] = []
-    for _ in range(rounds):
-        p = subprocess.run(argv, capture_output=True, text=True, check=True)
-        without.append(float(p.stdout))
-        group = FanotifyGroup()
-        group.mark_filesystem(str(files_dir))
-        responder = Responder(group, gate_open=lambda: False, budget_s=60)
-        responder.start()
+    budget, _ = descriptor_budget()
+    out: dict[str, list[float]] = {}
+
+    def run(arm: str, n: int, how: str | None, busy: bool) -> None:
+        argv = [sys.executable, "-c", OPENER, str(n), *files]
+        responder = None
+        stop = threading.Event()
+        hog = threading.Thread(target=_busy, args=(stop,), daemon=True)
+        if how is not None:
+            group = FanotifyGroup()
+            if how == "apart":
+                responder = spawner(group, budget_s=60)(budget)
+            else:
+                responder = Responder(group, gate_open=lambda: False, budget_s=60)
+                responder.start()
+            group.mark_filesystem(str(files_dir))
         try:
+            if busy:
+                hog.start()
             p = subprocess.run(argv, capture_output=True, text=True, check=True)
-            marked.append(float(p.stdout))
+            out.setdefault(arm, []).append(float(p.stdout) / n)
         finally:
-            responder.stop()
-    return without, marked
+            stop.set()
+            if busy:
+                hog.join()
+            if responder is not None:
+                responder.stop()
+
+    for _ in range(rounds):
+        run("no mark", opens, None, False)
+        run("thread", opens, "thread", False)
+        run("apart", opens, "apart", False)
+        run("no mark, agent busy", busy_opens, None, True)
+        run("thread, agent busy", busy_opens, "thread", True)
+        run("apart, agent busy", busy_opens, "apart", True)
+    return out
 
 
 def main() -> int:
@@ -140,6 +173,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--opens", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--busy-opens", type=int, default=2_000)
     args = ap.parse_args()
     print(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"# machine: {os.cpu_count()} cpus, kernel {os.uname().release}")
@@ -157,14 +191,16 @@ def main() -> int:
             f"ready flag -> held load goes on (real agent loop, {len(ms)} trials): "
             f"p50 {pct(ms, 0.5):.2f} ms  p99 {pct(ms, 0.99):.2f} ms  max {max(ms):.2f} ms"
         )
-        without, marked = mark_cost(root, args.opens, args.rounds)
-        w, m = statistics.median(without), statistics.median(marked)
+        arms = mark_cost(root, args.opens, args.rounds, args.busy_opens)
+        base = statistics.median(arms["no mark"])
         print(
-            f"{args.opens} opens of other files on the marked filesystem, one process, "
-            f"{args.rounds} rounds alternating: without the mark {w:.3f} s "
-            f"({w / args.opens * 1e6:.2f} us/open), with it {m:.3f} s "
-            f"({m / args.opens * 1e6:.2f} us/open); ratio {m / w:.1f}x"
+            f"opens of other files on the marked filesystem, one process, {args.rounds} "
+            f"rounds alternating ({args.opens} opens per round; {args.busy_opens} while "
+            "this process is busy in Python, as the agent in a long pass):"
         )
+        for arm, xs in arms.items():
+            us = statistics.median(xs) * 1e6
+            print(f"  {arm:<22} {us:9.2f} us/open  ({us / (base * 1e6):6.1f}x the unmarked)")
     finally:
         node.kernel.uevent_source.close()
         subprocess.run(["umount", "-l", str(root / "run/nvidia/driver")], capture_output=True)

@@ -54,6 +54,7 @@ KNOWN_KINDS = (
     "hold-overflow",
     "hold-over-cap",
     "hold-fault",
+    "hold-responder-died",
     "gate-withdrawal",
     "pass-error",
     "state-problem",
@@ -133,6 +134,9 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "hold-fault": lambda r: (
         f"hold responder: {r.get('count')} x {r.get('fault')}: {r.get('meaning')}"
     ),
+    "hold-responder-died": lambda r: (
+        f"hold responder (pid {r.get('pid')}) {r.get('how')}: {r.get('meaning')}"
+    ),
 }
 
 
@@ -158,6 +162,7 @@ PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "hold-overflow": lambda r: ERR if r.get("gate_closed") else WARNING,
     "hold-over-cap": lambda r: WARNING,
     "hold-fault": lambda r: ERR,
+    "hold-responder-died": lambda r: ERR,
 }
 
 

@@ -35,6 +35,7 @@ from nodeagent.host.fanotify import (
     parse_events,
 )
 from nodeagent.host.hold import Responder, sees_host_pids, start_hold
+from nodeagent.host.responder_apart import spawner
 
 from .waiting import WAIT, until
 
@@ -103,10 +104,12 @@ def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
-@pytest.fixture
-def marked_flood(tmp_path: Path) -> Iterator[Marked]:
+@pytest.fixture(params=["process", "thread"])
+def marked_flood(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
     """As ``marked``, the hold started as the agent starts it (``start_hold``: the
-    descriptor limit raised, the caps fitted in it)."""
+    descriptor limit raised, the caps fitted in it), its responder in a process apart
+    (the agent's way) or in a thread of this one. The gate is both ``gate`` (the thread
+    reads it) and ``follow`` (the process reads its lease): set both, as ``open_gate``."""
     fs, target, other, modprobe, group = _layout(tmp_path)
     responder = None
     try:
@@ -118,6 +121,7 @@ def marked_flood(tmp_path: Path) -> Iterator[Marked]:
             gate_open=gate.is_set,
             budget_s=60.0,
             host_pids=True,
+            apart=spawner(group, budget_s=60.0) if request.param == "process" else None,
         )
         assert responder is not None and marked == ["fs"] and problems == []
         yield Marked(fs, target, other, str(modprobe), gate, responder)
@@ -125,6 +129,15 @@ def marked_flood(tmp_path: Path) -> Iterator[Marked]:
         if responder is not None:
             responder.stop()
         subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+def open_gate(m: Marked, is_open: bool) -> None:
+    """The gate as the agent tells it: the thread reads ``gate``, the process its lease."""
+    if is_open:
+        m.gate.set()
+    else:
+        m.gate.clear()
+    m.responder.follow(is_open)
 
 
 def record_answers(responder: Responder) -> list[tuple[int, bool]]:
@@ -347,12 +360,12 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         until(lambda: side.hold is not None and agent.passes >= 1, "the hold did not start")
         hold = side.hold
         assert hold is not None and side.marked == ["run/nvidia/driver"]
-        answers = record_answers(hold)
+        assert getattr(hold, "pid", None) not in (None, os.getpid())  # a process apart
         proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.PIPE)
         try:
-            until(lambda: hold.held(), "the loader was not held")
-            two_rounds_later(other)
-            assert (proc.pid, True) not in answers and proc.poll() is None
+            until(lambda: proc.pid in [h[0] for h in hold.held()], "the loader was not held")
+            two_rounds_later(other)  # answered by the process apart, the loader still held
+            assert proc.poll() is None and proc.pid in [h[0] for h in hold.held()]
             node.write(READY)  # MOFED: ready; the gate opens, the held open goes on
             out, _ = proc.communicate(timeout=WAIT)
         finally:
@@ -972,8 +985,8 @@ def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood:
     try:
         over = total - HELD_PER_CONTAINER
         until(lambda: responder.counts["over_cap"] == over, "the opens past the cap")
-        assert len(responder.held()) == HELD_PER_CONTAINER
-        assert responder._thread.is_alive()
+        until(lambda: len(responder.held()) == HELD_PER_CONTAINER, "the cap's worth held")
+        assert responder.alive()
         # Another opener's open of a file the hold does not name: answered.
         p = subprocess.run(["cat", str(m.other)], capture_output=True, timeout=WAIT)
         assert p.returncode == 0
@@ -998,24 +1011,28 @@ def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood:
         assert budget is not None and budget.held_total == HELD_TOTAL
         assert len(os.listdir("/proc/self/fd")) < budget.limit - budget.reserve
         # The gate still works: open, every held open goes on; closed again, a load waits.
-        m.gate.set()
-        responder.wake()
+        open_gate(m, True)
         assert flood.wait(WAIT) == 0, "a flood open failed"
         out, _ = other_loader.communicate(timeout=WAIT)
         assert other_loader.returncode == 0 and out == CONTENT
-        m.gate.clear()
-        responder.wake()
+        open_gate(m, False)
         late = subprocess.Popen([m.modprobe, str(m.target)], stdout=subprocess.PIPE)
         try:
-            until(lambda: responder.held(), "a load after the flood was not held")
-            m.gate.set()
-            responder.wake()
+            until(lambda: late.pid in [h[0] for h in responder.held()], "a late load not held")
+            open_gate(m, True)
             out, _ = late.communicate(timeout=WAIT)
         finally:
             late.kill()
         assert late.returncode == 0 and out == CONTENT
-        assert responder._thread.is_alive() and responder.counts["faults"] == 0
-        ended = collections.Counter(r.ended for r in responder.reports)
+        assert responder.alive() and responder.counts["faults"] == 0
+        ended = until(
+            lambda: (
+                (c := collections.Counter(r.ended for r in list(responder.reports))).total()
+                == HELD_PER_CONTAINER + 2
+                and c
+            ),
+            "every held open's report",
+        )
         assert ended == {"gate opened": HELD_PER_CONTAINER + 2}
     finally:
         with contextlib.suppress(ProcessLookupError):

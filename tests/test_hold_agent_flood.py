@@ -31,18 +31,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
-from nodeagent.host.hold import HELD_PER_CONTAINER, sees_host_pids
+from nodeagent.host.hold import HELD_PER_CONTAINER
 from nodeagent.host.ports import HostPorts
 from nodeagent.loop.exporters import build_exporters
 from nodeagent.loop.wiring import build_agent
 from nodeagent.sim.node import GATE, READY
 
 from .healthy import healthy_node
-from .test_fanotify_hold import _mount_tmpfs, records, start_flood
+from .test_fanotify_hold import records, start_flood
+from .test_responder_apart import driver_root
 from .waiting import WAIT, until
 
 PROCS, THREADS = 4, 500  # 2000 opens from one container
@@ -67,14 +66,7 @@ def healthz(port: int) -> int | None:
 def test_a_flood_of_held_opens_leaves_the_agent_answering_and_its_gate_working(
     tmp_path: Path,
 ) -> None:
-    if not sees_host_pids():
-        pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
-    root = tmp_path / "root"
-    driver = root / "run/nvidia/driver"
-    driver.mkdir(parents=True)
-    why = _mount_tmpfs(driver)
-    if why:
-        pytest.skip(why)
+    root, driver = driver_root(tmp_path)
     agent = flood = thread = exporters = None
     node = None
     try:

@@ -8,6 +8,13 @@ closed in the protective step of a pass whose verdict is not ok, open at the
 end of a pass that published the gate, or whose verdict says no wait can help
 (``release_held``: a load the kernel refuses either way). What it held is
 recorded at the end of every pass and at stop. See docs/design.md, "The hold".
+
+The responder runs in a process of its own (``host/responder_apart.py``), so a
+stalled agent stalls no open: the gate reaches it as a lease this side writes at
+each change and renews at each heartbeat (``beat``). If that process dies, the
+agent's copy of the group is closed at once (the kernel lets what was pending
+go) and the next pass starts a new group, process and marks, at most
+``RESTARTS_MAX`` times in ``RESTART_WINDOW_S``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
 
 if TYPE_CHECKING:
     from nodeagent.host.containers import RootScanner
-    from nodeagent.host.hold import Responder
+    from nodeagent.host.hold import HoldResponder
 
 log = logging.getLogger("nodeagent")
+
+RESTARTS_MAX = 5  # new responders after a death, within the window; then the hold stays off
+RESTART_WINDOW_S = 600.0
 
 
 class PeermemHold(GuardSide):
@@ -34,25 +44,31 @@ class PeermemHold(GuardSide):
 
     def __init__(self, ctx: SideContext) -> None:
         super().__init__(ctx)
-        self.hold: Responder | None = None
+        self.hold: HoldResponder | None = None
         self.marked: list[str] = []
         self.containers: RootScanner | None = None  # driver containers' roots, as they start
         self.since: float | None = None
         self.gate_open = False  # what the responder reads: never a file, never a lock
         self.unlimited_queue = True  # the group's queue (bounded: an overflow lets opens go)
+        self.release = False  # the last pass let held loads go without a gate (release_held)
+        self.restarts: list[float] = []  # when a dead responder was replaced (the window's)
 
     # -- the loop's hooks -------------------------------------------------------
 
     def start(self) -> None:
-        """Mark the filesystems of hold_roots and start the responder (before the first pass)."""
-        # Imported here: a tool that never holds (``check``) loads no fanotify or /proc code.
+        """Mark the filesystems of hold_roots and start the responder (before the first pass).
+        Imports inside: a tool that never holds (``check``) loads no fanotify or /proc code."""
+        pol, ctx = self.ctx.policy, self.ctx
+        if not ctx.enforce or pol.hold_loads != "fanotify":
+            return
+        self._start_hold()
+
+    def _start_hold(self) -> None:
         from nodeagent.host.containers import RootScanner
         from nodeagent.host.fanotify import FanotifyGroup
         from nodeagent.host.hold import HoldHost, start_hold
 
         pol, ctx = self.ctx.policy, self.ctx
-        if not ctx.enforce or pol.hold_loads != "fanotify":
-            return
         host = ctx.ports.hold_host or HoldHost(group=FanotifyGroup)
         try:
             group = host.group()
@@ -67,6 +83,16 @@ class PeermemHold(GuardSide):
             log.warning("%s", queue_problem)
             ctx.record({"kind": "state-problem", "problem": queue_problem})
         roots = [(r, str(ctx.host.path(r))) for r in pol.hold_roots]
+        apart = None  # the responder in a process of its own: the kernel's group only
+        if host.threaded and host.apart and isinstance(group, FanotifyGroup):
+            from nodeagent.host.responder_apart import spawner
+
+            apart = spawner(
+                group,
+                budget_s=pol.hold_budget_s,
+                on_report=lambda: ctx.wake("held open ended"),
+                proc=host.proc,
+            )
         self.hold, self.marked, problems = start_hold(
             group,
             group.mark_filesystem,
@@ -77,12 +103,14 @@ class PeermemHold(GuardSide):
             containers=bool(pol.hold_containers),
             on_report=lambda: ctx.wake("held open ended"),  # a pipe write
             host=host,
+            apart=apart,
         )
         for p in problems:
             log.warning(p)
             ctx.record({"kind": "state-problem", "problem": p})
         if self.hold is None:
             return
+        self.hold.follow(self.gate_open)  # a new responder starts closed: tell it the gate
         self.since = ctx.clock()
         budget = self.hold.descriptors
         ctx.record(
@@ -117,9 +145,20 @@ class PeermemHold(GuardSide):
     def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
         """A held load goes on only when ``wait`` would, or when the guard says no wait can
         help (a load the kernel refuses either way)."""
-        release = bool(verdict.evidence.get("release_held")) and vouches()
-        self._follow(published or release)
+        self.release = bool(verdict.evidence.get("release_held")) and vouches()
+        self._follow(published or self.release)
         self._record_holds()
+        self._replace_dead_responder()
+
+    def needs_beat(self) -> bool:
+        return self.hold is not None and self.gate_open
+
+    def beat(self, published: bool, vouches: Callable[[], bool]) -> None:
+        """Renew the responder's lease while the decision that opened it stands; a loop
+        that stops beating lets it run out (loads wait, other opens go)."""
+        if self.hold is None or not self.gate_open:
+            return
+        self._follow(published or (self.release and vouches()))
 
     def status(self) -> Any:
         if self.hold is None:
@@ -135,6 +174,9 @@ class PeermemHold(GuardSide):
             ],
             "counts": dict(self.hold.counts),
             "responder": "answering" if self.hold.alive() else "stopped",
+            # Its own process (pid), or a thread of the agent's (None); replaced after deaths.
+            "responder_pid": getattr(self.hold, "pid", None),
+            "responder_restarts": len(self.restarts),
             # Descriptors: the limit (raised to the hard one at start), the reserve kept for
             # the rest of the agent, the caps on held opens fitted in what is left, in use now.
             "descriptors": self._descriptors(),
@@ -165,9 +207,50 @@ class PeermemHold(GuardSide):
     # -- its own --------------------------------------------------------------
 
     def _follow(self, is_open: bool) -> None:
-        if self.hold is not None and is_open != self.gate_open:
+        """Tell the responder the gate: at a change, and while open at every pass and beat
+        (the process apart reads a lease that runs out without them)."""
+        if self.hold is not None and (is_open or is_open != self.gate_open):
             self.gate_open = is_open
-            self.hold.wake()
+            self.hold.follow(is_open)
+
+    def _replace_dead_responder(self) -> None:
+        """A responder process that died: its pending opens went when the agent closed its
+        copy of the group; start a new group, process and marks (at most ``RESTARTS_MAX``
+        times in ``RESTART_WINDOW_S``), recording what the old one said first."""
+        died = getattr(self.hold, "died", None)
+        if self.hold is None or died is None:
+            return
+        self._record_holds()  # its death notice, and what it said before
+        self._let_go("responder died")
+        now = self.ctx.clock()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+        if len(self.restarts) >= RESTARTS_MAX:
+            problem = (
+                f"peermem.hold_loads: the responder process died {len(self.restarts) + 1} times "
+                f"in {RESTART_WINDOW_S:g}s (last: {died}); not holding any load until the agent "
+                "restarts"
+            )
+            log.error("%s", problem)
+            self.ctx.record({"kind": "state-problem", "problem": problem})
+            return
+        self.restarts.append(now)
+        log.warning("peermem hold: the responder process %s; starting a new one", died)
+        self._start_hold()
+        self.ctx.wake("hold restarted")  # a pass now: its status shows the new responder
+
+    def _let_go(self, why: str) -> None:
+        """Stop the scanner and the responder (every held open allowed, reported); each
+        container root marked is said gone (the gauge follows), then the side holds none."""
+        if self.containers is not None:
+            self.containers.stop()
+            for r in self.containers.roots():
+                self.ctx.record(
+                    {"kind": "hold-root-gone", "pid": r.pid, "dev": r.dev_text(), "why": why}
+                )
+        if self.hold is not None:
+            self.hold.stop()
+            self._record_holds()
+        self.hold, self.containers, self.marked = None, None, []
 
     def _descriptors(self) -> dict[str, int] | None:
         budget = self.hold.descriptors if self.hold is not None else None
@@ -178,6 +261,9 @@ class PeermemHold(GuardSide):
             out["in_use"] = len(os.listdir("/proc/self/fd"))
         except OSError:
             out["in_use"] = -1
+        responder_fds = getattr(self.hold, "descriptors_in_use", None)
+        if responder_fds is not None:  # apart: held opens' descriptors are its own
+            out["responder_in_use"] = responder_fds()
         out["held_now"] = len(self.hold.held()) if self.hold is not None else 0
         return out
 

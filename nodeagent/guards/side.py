@@ -17,6 +17,11 @@ gate. A guard that needs more from the node brings it here, through one
   snapshot file), before the status is written (rule 6);
 - ``after_publish(verdict, published, vouches)``: what follows the gate, at the
   end of the pass (rule 8);
+- ``beat(published, vouches)``: the loop's heartbeat between passes (every
+  ``RENEW_S`` while a gate's lease or a side ``needs_beat()``), right after the
+  gates' leases are renewed: a side that keeps a lease of its own in step with
+  its gate (the hold's responder apart) renews it here, and a stuck loop renews
+  nothing;
 - ``status()``: its part of ``status.json`` under ``status_key``;
 - ``telemetry``: its record-fed metric families (a class attribute: the
   exporter registers them at start, whether the side starts anything or not).
@@ -92,6 +97,14 @@ class GuardSide:
     def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
         """Last in the pass: ``published``, this guard's gate file was written open now;
         ``vouches()``, the pass's bookkeeping held and nothing changed since it observed."""
+
+    def needs_beat(self) -> bool:
+        """Does it keep a lease the loop must renew between passes?"""
+        return False
+
+    def beat(self, published: bool, vouches: Callable[[], bool]) -> None:
+        """Between passes, after the gates' leases: ``published``, this guard's gate file
+        is still open; ``vouches()``, the last pass's decision still stands."""
 
     def status(self) -> Any:
         return None

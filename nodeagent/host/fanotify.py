@@ -27,6 +27,7 @@ import errno
 import os
 import re
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -186,14 +187,32 @@ class FanotifyGroup:
             raise OSError(err, f"fanotify_init: {os.strerror(err)}")
         self.fd: int = fd
         self.problems: list[str] = []  # malformed records seen by read()
+        # Marks and close come from different threads (the scanner, the responder's
+        # supervisor): a mark never lands on a descriptor number closed and reused.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def adopt(cls, fd: int, libc: Any = None) -> FanotifyGroup:
+        """A group made by another process and handed over (the responder apart)."""
+        group = cls.__new__(cls)
+        group._libc = libc if libc is not None else _libc()
+        group.unlimited_queue = True
+        group.queue_problem = None
+        group.fd = fd
+        group.problems = []
+        group._lock = threading.Lock()
+        return group
 
     def fileno(self) -> int:
         return self.fd
 
     def _mark(self, flags: int, path: str, dirfd: int = AT_FDCWD) -> None:
-        rc = self._libc.fanotify_mark(
-            self.fd, flags | FAN_MARK_FILESYSTEM, FAN_OPEN_PERM, dirfd, os.fsencode(path)
-        )
+        with self._lock:
+            if self.fd < 0:
+                raise OSError(errno.EBADF, "fanotify_mark: the group is closed")
+            rc = self._libc.fanotify_mark(
+                self.fd, flags | FAN_MARK_FILESYSTEM, FAN_OPEN_PERM, dirfd, os.fsencode(path)
+            )
         if rc < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
@@ -233,8 +252,12 @@ class FanotifyGroup:
         """``st_dev`` of every filesystem this group has a mark on, as the kernel lists them
         (``/proc/self/fdinfo``: one ``fanotify sdev:`` line per filesystem mark); a mark the
         kernel dropped with its superblock is gone from here."""
-        with open(f"/proc/self/fdinfo/{self.fd}", encoding="ascii", errors="replace") as f:
-            return parse_marked_devices(f.read(1 << 20))
+        with self._lock:
+            if self.fd < 0:
+                raise OSError(errno.EBADF, "the group is closed")
+            with open(f"/proc/self/fdinfo/{self.fd}", encoding="ascii", errors="replace") as f:
+                text = f.read(1 << 20)
+        return parse_marked_devices(text)
 
     def read(self) -> list[PermEvent]:
         try:
@@ -262,7 +285,8 @@ class FanotifyGroup:
             os.close(event.fd)
 
     def close(self) -> None:
-        """The kernel allows every event still pending."""
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        """The kernel allows every event still pending (once no process keeps a copy)."""
+        with self._lock:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)

@@ -38,7 +38,7 @@ import resource
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -229,6 +229,9 @@ class Responder:
         held_total: int = HELD_TOTAL,
         container_of: Callable[[int], str] | None = None,
         descriptors: DescriptorBudget | None = None,
+        also_own: Collection[int] = (),
+        watch_fds: Mapping[int, Callable[[], None]] | None = None,
+        after_step: Callable[[], None] = lambda: None,
     ) -> None:
         """``on_report``: called (from the responder thread, so it must not block or open a
         file) when a report or a notice is added: the loop records it on its next pass.
@@ -237,11 +240,17 @@ class Responder:
         held at once (each keeps a descriptor); past either, an open is allowed at once
         and said, once per burst. ``container_of``: an opener's container, for the first
         cap (default: its mount namespace). ``descriptors``: the budget the caps fit in,
-        for status."""
+        for status. ``also_own``: pids besides ``own_pid`` whose opens are the agent's own
+        (the responder's process, when it runs apart). ``watch_fds``: descriptors the
+        thread also waits on, each with what to do when it is readable; ``after_step``:
+        called after each round (the process apart sends its reports there)."""
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
         self.own_pid = os.getpid() if own_pid is None else own_pid
+        self.own_pids = frozenset({self.own_pid, *also_own})
+        self.watch_fds = dict(watch_fds or {})
+        self.after_step = after_step
         self.clock = clock
         self.proc = proc
         self.loader_of = loader_of or (lambda pid: is_loader(pid, proc))
@@ -286,6 +295,14 @@ class Responder:
     def start(self) -> None:
         self._thread.start()
 
+    def serve(self) -> None:
+        """Answer in the calling thread until stopped (the responder's own process)."""
+        self._run()
+
+    def follow(self, is_open: bool) -> None:
+        """The gate changed, or its decision was renewed (``gate_open`` reads it)."""
+        self.wake()
+
     def wake(self) -> None:
         """The gate may have changed: look now (cheap, never blocks)."""
         self._wake.poke("gate")
@@ -322,13 +339,20 @@ class Responder:
         poller = select.poll()
         poller.register(self.source.fileno(), select.POLLIN)
         poller.register(self._wake.fileno(), select.POLLIN)
+        for fd in self.watch_fds:
+            poller.register(fd, select.POLLIN)
         pause = select.poll()
         pause.register(self._wake.fileno(), select.POLLIN)
         while not self._stopping:
             try:
+                ready: list[tuple[int, int]] = []
                 with contextlib.suppress(InterruptedError):
-                    poller.poll(self._timeout_ms())
+                    ready = poller.poll(self._timeout_ms())
+                for fd, _ in ready:
+                    if fd in self.watch_fds:
+                        self.watch_fds[fd]()
                 self.step()
+                self.after_step()
                 if self._backoff:
                     self._backoff = False
                     with contextlib.suppress(InterruptedError):
@@ -465,7 +489,7 @@ class Responder:
         self.counts["allowed"] += 1
 
     def _answer(self, event: PermEvent) -> None:
-        if event.pid == self.own_pid:  # first: the agent's own opens never wait on it
+        if event.pid in self.own_pids:  # first: the agent's own opens never wait on it
             self._allow(event)
             return
         if event.overflow:  # the kernel allowed what it dropped: say so, once per burst
@@ -559,6 +583,29 @@ def sees_host_pids(status_path: str = "/proc/self/status") -> bool:
     return True  # a kernel without NSpid (< 4.1) has no nested namespaces to tell apart
 
 
+class HoldResponder(Protocol):
+    """What the hold's side reads and drives: the thread (``Responder``) or the process
+    apart (``host/responder_apart.ResponderProcess``)."""
+
+    reports: collections.deque[HoldReport]
+    notices: collections.deque[dict[str, Any]]
+    reported: int
+    descriptors: DescriptorBudget | None
+
+    @property
+    def counts(self) -> dict[str, int]: ...
+
+    def held(self) -> list[tuple[int, str, str, float]]: ...
+
+    def alive(self) -> bool: ...
+
+    def follow(self, is_open: bool) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+
 class HoldGroup(EventSource, Protocol):
     """A permission group the hold can mark: the kernel's fanotify group, or the
     simulator's."""
@@ -586,6 +633,9 @@ class HoldHost:
     may_load: Callable[[int], str | None] | None = None
     threaded: bool = True
     clock: Callable[[], float] = time.monotonic  # budgets and ages
+    # The responder in a process of its own (``host/responder_apart.py``) when threaded:
+    # the kernel's group only (a test's fake group answers in a thread of the agent).
+    apart: bool = True
 
 
 def start_hold(
@@ -600,15 +650,20 @@ def start_hold(
     on_report: Callable[[], None] = lambda: None,
     host: HoldHost | None = None,
     budget: DescriptorBudget | None = None,
-) -> tuple[Responder | None, list[str], list[str]]:
-    """Mark ``roots`` ((name, path) pairs) and start a responder; (responder, marked, problems).
-    ``host``: where openers and files are read, and whether the responder gets a thread
-    (the running kernel's by default).
+    apart: Callable[[DescriptorBudget], HoldResponder] | None = None,
+) -> tuple[HoldResponder | None, list[str], list[str]]:
+    """Start a responder, then mark ``roots`` ((name, path) pairs); (responder, marked,
+    problems). ``host``: where openers and files are read, and how the responder runs
+    (by default: the running kernel's, in a process of its own).
 
     Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
     nothing marked and no container roots to come (``containers``); a root that cannot be
     marked is named and skipped. Before it starts, the descriptor limit is raised and the
-    caps on held opens fitted in it (``budget``: a test's own plan instead).
+    caps on held opens fitted in it (``budget``: a test's own plan instead). ``apart``:
+    starts the responder as a process of its own, given the budget
+    (``host/responder_apart.spawner``; OSError when it does not answer); without it, a
+    thread of this process (or none: stepped). The responder answers before the first
+    mark: a process apart has read every file it needs by then.
     """
     if not host_pids:
         source.close()
@@ -620,8 +675,35 @@ def start_hold(
                 "not holding any load"
             ],
         )
-    marked: list[str] = []
     problems: list[str] = []
+    host = host or HoldHost(group=FanotifyGroup)
+    if budget is None:
+        budget, budget_problems = descriptor_budget()
+        problems.extend(budget_problems)
+    responder: HoldResponder
+    if apart is not None and host.threaded:
+        try:
+            responder = apart(budget)
+        except OSError as exc:
+            source.close()
+            return None, [], [*problems, f"peermem.hold_loads: {exc}; not holding any load"]
+    else:
+        thread = Responder(
+            source,
+            gate_open=gate_open,
+            budget_s=budget_s,
+            on_report=on_report,
+            proc=host.proc,
+            path_of=host.path_of,
+            clock=host.clock,
+            held_per_container=budget.held_per_container,
+            held_total=budget.held_total,
+            descriptors=budget,
+        )
+        if host.threaded:
+            thread.start()
+        responder = thread
+    marked: list[str] = []
     for name, path in roots:
         if not os.path.isdir(path):
             problems.append(f"peermem.hold_roots: {name} is not a directory; not marked")
@@ -633,24 +715,6 @@ def start_hold(
             continue
         marked.append(name)
     if not marked and not containers:
-        source.close()
+        responder.stop()
         return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
-    host = host or HoldHost(group=FanotifyGroup)
-    if budget is None:
-        budget, budget_problems = descriptor_budget()
-        problems.extend(budget_problems)
-    responder = Responder(
-        source,
-        gate_open=gate_open,
-        budget_s=budget_s,
-        on_report=on_report,
-        proc=host.proc,
-        path_of=host.path_of,
-        clock=host.clock,
-        held_per_container=budget.held_per_container,
-        held_total=budget.held_total,
-        descriptors=budget,
-    )
-    if host.threaded:
-        responder.start()
     return responder, marked, problems

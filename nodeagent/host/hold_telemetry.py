@@ -20,7 +20,9 @@ gauge reads 0).
   caps on held opens) adds ``count`` to ``nodeagent_peermem_hold_over_cap_total``;
 - ``hold-fault`` (one per burst of errors the responder survived, e.g. out of
   descriptors) adds ``count`` to ``nodeagent_peermem_hold_faults_total{fault}``,
-  ``fault`` being ``EMFILE``, ``ENFILE`` or ``other``.
+  ``fault`` being ``EMFILE``, ``ENFILE`` or ``other``;
+- ``hold-responder-died`` (the responder's process ended while the hold was on:
+  what it held went on) adds 1 to ``nodeagent_peermem_hold_responder_deaths_total``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ FAULTS = MetricFamily(
     ("fault",),
 )
 FAULT_KINDS = frozenset({"EMFILE", "ENFILE"})
+RESPONDER_DEATHS = MetricFamily(
+    "nodeagent_peermem_hold_responder_deaths_total",
+    "counter",
+    "Times the fanotify hold's responder process ended while the hold was on: the kernel "
+    "let what it held go on, and the agent started a new one",
+)
 
 
 def _count(rec: Mapping[str, Any]) -> float:
@@ -91,9 +99,13 @@ def hold_samples(rec: Mapping[str, Any]) -> list[Sample]:
         fault = str(rec.get("fault"))
         labels = {"fault": fault if fault in FAULT_KINDS else "other"}
         return [Sample(FAULTS.name, labels, value=_count(rec))]
+    if kind == "hold-responder-died":
+        return [Sample(RESPONDER_DEATHS.name)]
     return []
 
 
 HOLD_TELEMETRY = RecordTelemetry(
-    "hold", (HELD_OPENS, CONTAINER_ROOTS, OVERFLOWS, OVER_CAP, FAULTS), hold_samples
+    "hold",
+    (HELD_OPENS, CONTAINER_ROOTS, OVERFLOWS, OVER_CAP, FAULTS, RESPONDER_DEATHS),
+    hold_samples,
 )

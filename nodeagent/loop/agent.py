@@ -107,7 +107,14 @@ class Agent:
         return self.pass_runner.run(woken_by)
 
     def renew_leases(self) -> None:
+        """The heartbeat: the gates' files, then what sides keep in step with them."""
         self.gates.renew(self.books.can_vouch)
+
+        def vouches() -> bool:
+            return self.books.can_vouch and self.gates.still_fresh()
+
+        for name, side in self.sides.items():
+            side.beat(name in self.gates.published, vouches)
 
     def run_once(self, woken_by: Sequence[str] = ("once",)) -> PassResult:
         """One pass, its plans carried out and their outcomes recorded (``run --once``);
@@ -173,7 +180,11 @@ class Agent:
             # Between passes the loop beats every RENEW_S while a gate is open, a withdrawal
             # failed or an exporter keeps a heartbeat: the lease proves the loop, not a thread.
             while True:
-                beat = self.gates.needs_beat() or self.exporters.needs_beat()
+                beat = (
+                    self.gates.needs_beat()
+                    or self.exporters.needs_beat()
+                    or any(side.needs_beat() for side in self.sides.values())
+                )
                 deadline, wait = schedule.next_wake(now, beat)
                 woken_by = waker.wait(wait)
                 now = self.clock()

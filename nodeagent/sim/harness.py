@@ -39,7 +39,7 @@ from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.guards.peermem_hold import PeermemHold
 from nodeagent.guards.registry import build_reconciler
-from nodeagent.host.hold import HoldHost
+from nodeagent.host.hold import HoldHost, Responder
 from nodeagent.host.ports import HostPorts
 from nodeagent.loop.passes import PassResult
 from nodeagent.loop.wiring import LoopHooks, build_agent
@@ -217,6 +217,7 @@ class AgentHarness:
         hold = self.agent.peermem_hold.hold
         if hold is None:
             return False
+        assert isinstance(hold, Responder)  # stepped in this process, never apart
         before, unread = hold.reported, self._hold_unread()
         hold.step()
         if hold.reported != before:

@@ -208,3 +208,61 @@ def test_sigkill_of_the_agent_releases_the_held_opener(root: Root) -> None:
     finally:
         agent.kill()
     assert _loaded(PEER.name)
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped counts: it answers nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
+    except OSError:
+        return True
+
+
+APART_AGENT = """
+import sys, time
+from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.hold import start_hold
+from nodeagent.host.responder_apart import spawner
+group = FanotifyGroup()
+responder, marked, problems = start_hold(
+    group, group.mark_filesystem, [("root", sys.argv[1])], gate_open=lambda: False,
+    budget_s=3600, host_pids=True, apart=spawner(group, budget_s=3600),
+)
+assert marked == ["root"], problems
+print(responder.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_responder_apart_answers_for_a_stopped_agent_and_goes_with_a_killed_one(
+    root: Root,
+) -> None:
+    """Issue 38: the responder in a process of its own (as the agent runs it). The agent's
+    process stopped: a real modprobe in the container is held (the gate, a lease nobody
+    renews, reads closed), the container's other opens are answered; the agent killed
+    while stopped: its responder exits with it and the modprobe loads."""
+    agent = subprocess.Popen(
+        [sys.executable, "-c", APART_AGENT, root.merged], stdout=subprocess.PIPE, text=True
+    )
+    proc = None
+    try:
+        assert agent.stdout is not None
+        responder_pid = int(agent.stdout.readline())
+        assert responder_pid != agent.pid and os.path.exists(f"/proc/{responder_pid}")
+        agent.send_signal(signal.SIGSTOP)
+        proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
+        rel = f"/lib/modules/{root.kver}/kernel/drivers/video/nvidia-peermem.ko"
+        for argv in (["/usr/bin/cat", rel], ["/usr/sbin/modinfo", "nvidia-peermem"]):
+            p = subprocess.run(in_container(root, *argv), capture_output=True, timeout=WAIT)
+            assert p.returncode == 0, (argv, p.stderr)
+        until(lambda: _loaded(PROV.name), "modprobe's dependency did not load first")
+        assert proc.poll() is None and not _loaded(PEER.name), "the load went on, gate closed"
+        agent.send_signal(signal.SIGKILL)
+        assert proc.wait(WAIT) == 0  # the responder let go as its agent died
+        until(lambda: _gone(responder_pid), "the responder outlived its agent")
+    finally:
+        agent.kill()
+        agent.wait(WAIT)
+        if proc is not None:
+            proc.kill()
+    assert _loaded(PEER.name)

@@ -1,0 +1,365 @@
+"""The agent's side of the responder apart: start it, give it the gate, hear it, watch it.
+
+Why apart: a responder thread shares its process's fate, and every open in
+every marked filesystem waits on it. A stalled agent (the GIL held, a long
+pass, memory pressure, a CPU quota, ``SIGSTOP``) would stall them all, gate or
+no gate. ``host/responder_main.py`` answers in a process of its own; the agent
+keeps what only it can do (decide, mark, record) and this handle:
+
+- **the gate** is a lease the loop writes (``follow``, at each change and each
+  heartbeat: ``host/hold_lease.py``); the process wakes on an eventfd. A loop
+  that stops renewing leaves the lease to run out: loads wait, other opens go;
+- **death, either way.** The agent keeps its own copy of the group (it marks
+  through it), so the kernel lets pending opens go only when both are closed:
+  - the agent dies or stops: its end of the life pipe closes, the process lets
+    everything go and exits;
+  - the process dies: the reader thread sees its pipe end, closes the agent's
+    copy at once (the kernel allows what was pending), and says so; the
+    hold's side starts a new group, process and marks on its next pass
+    (``guards/peermem_hold.py``);
+- **what it did** comes back as JSON lines: held opens that ended and notices
+  (recorded by the loop as before) and its state (counts, held opens) for
+  status.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nodeagent
+from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.hold import BURST_QUIET_S, DescriptorBudget, HoldReport
+from nodeagent.host.hold_lease import HoldLease
+
+READY_TIMEOUT_S = 15.0  # a Python start under a loaded node; the hold marks nothing before
+STOP_TIMEOUT_S = 2.0  # its held opens let go and its last reports read, else SIGKILL
+COUNT_KEYS = ("allowed", "held", "unidentified", "overflow", "no_fd", "over_cap", "faults")
+
+
+def spawner(
+    group: FanotifyGroup,
+    *,
+    budget_s: float,
+    on_report: Callable[[], None] = lambda: None,
+    proc: str = "/proc",
+) -> Callable[[DescriptorBudget], ResponderProcess]:
+    """``start_hold``'s ``apart``: a responder process for ``group``, started (it answers
+    before the hold marks anything); OSError when it does not."""
+
+    def start(descriptors: DescriptorBudget) -> ResponderProcess:
+        responder = ResponderProcess(
+            group, budget_s=budget_s, descriptors=descriptors, on_report=on_report, proc=proc
+        )
+        responder.start()
+        return responder
+
+    return start
+
+
+def exit_words(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class ResponderProcess:
+    """The responder apart, as the hold's side sees a responder (``host/hold.Responder``'s
+    reading face: ``counts``, ``reports``, ``notices``, ``held``, ``alive``, ``follow``,
+    ``wake``, ``stop``)."""
+
+    def __init__(
+        self,
+        group: FanotifyGroup,
+        *,
+        budget_s: float,
+        descriptors: DescriptorBudget,
+        on_report: Callable[[], None] = lambda: None,
+        proc: str = "/proc",
+        burst_quiet_s: float = BURST_QUIET_S,
+        python: str = sys.executable,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> None:
+        """``on_report``: called from the reader thread (a pipe write: it must not block)
+        when a report or a notice arrives, and when the process dies."""
+        self.group = group
+        self.budget_s = budget_s
+        self.descriptors: DescriptorBudget | None = descriptors
+        self.on_report = on_report
+        self.proc = proc
+        self.burst_quiet_s = burst_quiet_s
+        self.python = python
+        self.ready_timeout_s = ready_timeout_s
+        self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
+        self.notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+        self.reported = 0
+        self.died: str | None = None  # how the process ended, if it did while it mattered
+        self.pid: int | None = None
+        self._counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
+        self._state: dict[str, Any] = {}
+        self._state_at = 0.0
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._lease: HoldLease | None = None
+        self._wake_fd = -1
+        self._life_w = -1
+        self._out_r = -1
+        self._buf = bytearray()
+        self._reader: threading.Thread | None = None
+
+    # -- start ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the process and wait until it answers (before anything is marked);
+        OSError when it does not."""
+        descriptors = self.descriptors
+        assert descriptors is not None  # given at construction
+        self._lease = HoldLease()
+        self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        life_r, self._life_w = os.pipe2(os.O_CLOEXEC)
+        self._out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        passed = (self.group.fileno(), self._lease.fileno(), self._wake_fd, life_r, out_w)
+        spec: dict[str, object] = {
+            "group": self.group.fileno(),
+            "lease": self._lease.fileno(),
+            "wake": self._wake_fd,
+            "life": life_r,
+            "out": out_w,
+            "agent_pid": os.getpid(),
+            "budget_s": self.budget_s,
+            "held_total": descriptors.held_total,
+            "held_per_container": descriptors.held_per_container,
+            "burst_quiet_s": self.burst_quiet_s,
+            "proc": self.proc,
+        }
+        # Its own small environment: where this package is, nothing else inherited.
+        env = {
+            "PYTHONPATH": str(Path(nodeagent.__file__).resolve().parent.parent),
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        }
+        try:
+            self._popen = subprocess.Popen(
+                [self.python, "-m", "nodeagent.host.responder_main", json.dumps(spec)],
+                pass_fds=passed,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # a terminal's Ctrl-C is the agent's to handle
+            )
+        finally:
+            os.close(life_r)
+            os.close(out_w)
+        self.pid = self._popen.pid
+        try:
+            self._wait_ready()
+        except OSError:
+            self._kill()
+            self._close_fds()
+            raise
+        self._reader = threading.Thread(
+            target=self._read_loop, name="hold-responder-reader", daemon=True
+        )
+        self._reader.start()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        poller = select.poll()
+        poller.register(self._out_r, select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError(f"the responder process did not answer in {self.ready_timeout_s:g}s")
+            with contextlib.suppress(InterruptedError):
+                poller.poll(int(left * 1000) + 1)
+            chunk = self._read_chunk()
+            if chunk is None:
+                rc = self._popen.wait(STOP_TIMEOUT_S) if self._popen else None
+                raise OSError(f"the responder process {exit_words(rc)} before it answered")
+            for msg in self._lines(chunk):
+                if msg.get("t") == "ready":
+                    return
+                self._take(msg)
+
+    # -- the loop's side ----------------------------------------------------------------
+
+    def follow(self, is_open: bool) -> None:
+        """The gate as the loop decided it now: a fresh lease (open) or closed, then a wake."""
+        if self._lease is not None and self._lease.fd >= 0:
+            self._lease.write(is_open)
+        self.wake()
+
+    def wake(self) -> None:
+        if self._wake_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.eventfd_write(self._wake_fd, 1)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    @property
+    def peak_descriptors(self) -> int:
+        with self._lock:
+            return int(self._state.get("peak", 0))
+
+    def descriptors_in_use(self) -> int:
+        """The process's descriptors as it last said (held opens keep one each)."""
+        with self._lock:
+            return int(self._state.get("fds", -1))
+
+    def held(self) -> list[tuple[int, str, str, float]]:
+        with self._lock:
+            since = time.monotonic() - self._state_at
+            return [(p, o, f, s + since) for p, o, f, s in self._state.get("held", [])]
+
+    def alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None and self.died is None
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Close the life pipe (it lets every held open go and says so), read its last
+        words, then close the agent's copy of the group: the kernel allows the rest."""
+        self._stopping = True
+        if self._life_w >= 0:
+            os.close(self._life_w)
+            self._life_w = -1
+        if self._popen is not None:
+            try:
+                self._popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        if self._reader is not None:
+            self._reader.join(timeout)
+        self.group.close()
+        self._close_fds()
+
+    # -- the reader thread ----------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._out_r, select.POLLIN)
+        while True:
+            with contextlib.suppress(InterruptedError):
+                poller.poll()
+            chunk = self._read_chunk()
+            if chunk is None:
+                break
+            told = False
+            for msg in self._lines(chunk):
+                told = self._take(msg) or told
+            if told:
+                self.on_report()
+        rc = None
+        if self._popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rc = self._popen.wait(STOP_TIMEOUT_S)
+        if not self._stopping:
+            self._died(rc)
+
+    def _died(self, rc: int | None) -> None:
+        """The process went while the hold was on: let everything pending go now (the
+        agent's copy of the group is the last), and say so."""
+        self.group.close()
+        self.died = exit_words(rc)
+        self.notices.append(
+            {
+                "kind": "hold-responder-died",
+                "pid": self.pid,
+                "how": self.died,
+                "meaning": "the hold's responder process ended while the hold was on: the "
+                "agent closed its copy of the group, so the kernel let every pending open go "
+                "(a held load of nvidia-peermem may have gone on with the gate closed); "
+                "the agent starts a new responder and marks again",
+            }
+        )
+        self.reported += 1
+        self.on_report()
+
+    def _read_chunk(self) -> bytes | None:
+        """What the pipe has (b"" for nothing yet), None at its end."""
+        try:
+            data = os.read(self._out_r, 1 << 16)
+        except BlockingIOError:
+            return b""
+        except InterruptedError:
+            return b""
+        except OSError:
+            return None
+        return data if data else None
+
+    def _lines(self, chunk: bytes) -> list[dict[str, Any]]:
+        self._buf += chunk
+        *whole, rest = self._buf.split(b"\n")
+        self._buf = bytearray(rest)
+        out: list[dict[str, Any]] = []
+        for line in whole:
+            with contextlib.suppress(ValueError):
+                msg = json.loads(line)
+                if isinstance(msg, dict):
+                    out.append(msg)
+        return out
+
+    def _take(self, msg: dict[str, Any]) -> bool:
+        """One message; True when the loop should record something."""
+        kind = msg.get("t")
+        if kind == "report":
+            with contextlib.suppress(TypeError):
+                self.reports.append(
+                    HoldReport(
+                        int(msg["pid"]),
+                        str(msg["opener"]),
+                        str(msg["path"]),
+                        float(msg["seconds"]),
+                        str(msg["ended"]),
+                    )
+                )
+                self.reported += 1
+                return True
+        elif kind == "notice" and isinstance(msg.get("notice"), dict):
+            self.notices.append(msg["notice"])
+            self.reported += 1
+            return True
+        elif kind == "state":
+            with self._lock:
+                self._state, self._state_at = msg, time.monotonic()
+                counts = msg.get("counts")
+                if isinstance(counts, dict):
+                    self._counts.update({k: int(v) for k, v in counts.items() if k in COUNT_KEYS})
+        return False
+
+    # -- the end --------------------------------------------------------------------
+
+    def _kill(self) -> None:
+        if self._popen is not None and self._popen.poll() is None:
+            with contextlib.suppress(OSError):
+                self._popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._popen.wait(STOP_TIMEOUT_S)
+
+    def _close_fds(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
+        for name in ("_wake_fd", "_life_w", "_out_r"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)

@@ -1,0 +1,203 @@
+"""The hold's responder as a process of its own: ``python -m nodeagent.host.responder_main``.
+
+The agent starts it (``host/responder_apart.py``) before it marks anything,
+with five descriptors and nothing else to read: the fanotify group (shared),
+the gate's lease (a memfd: ``host/hold_lease.py``), an eventfd the agent
+writes when the gate changes, the read end of a pipe the agent never writes
+(its end closes when the agent stops or dies: this process then lets every
+held open go and exits, so the group's last descriptor goes with the agent),
+and the write end of a pipe for what it tells the agent: ``ready`` once
+everything it needs is imported, each held open that ended, each notice, and
+its state (counts, what it holds) for status.
+
+It answers with the same ``Responder`` as the in-process thread; only its
+gate is the lease, so a stalled agent loop (no renewal) reads closed: a module
+load waits, every other open is answered at once. It opens no file after
+``ready`` but under ``/proc``; it never blocks on the agent (its messages wait
+in a bounded buffer while the pipe is full), and it writes no traceback (one
+would read source files): a fatal error is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.hold import Responder
+from nodeagent.host.hold_lease import read_lease
+
+OUTBOX_MAX = 4 << 20  # bytes of messages kept while the agent does not read (it is stalled)
+STATE_MAX = 64 << 10  # a state message is added only while less than this is waiting
+STATE_EVERY_S = 0.1  # at most this often; state is "latest wins", reports are never dropped
+FINAL_FLUSH_S = 2.0  # at exit, how long the last reports may wait for the agent to read
+
+
+class Outbox:
+    """JSON lines to the agent through a non-blocking pipe; what does not fit waits here."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
+        self.dropped = 0  # messages that found the buffer full (the agent stalled for long)
+        self.broken = False  # the agent's end is closed: it is gone
+
+    def put(self, msg: dict[str, Any], limit: int = OUTBOX_MAX) -> bool:
+        line = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        if len(self.buf) + len(line) > limit:
+            self.dropped += 1
+            return False
+        self.buf += line
+        return True
+
+    def flush(self) -> None:
+        while self.buf and not self.broken:
+            try:
+                n = os.write(self.fd, self.buf)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError:  # EPIPE: nobody reads any more
+                self.broken = True
+                self.buf.clear()
+                return
+            del self.buf[:n]
+
+    def drain(self, seconds: float) -> None:
+        """At exit: wait for the agent to read what is left, a little."""
+        deadline = time.monotonic() + seconds
+        poller = select.poll()
+        poller.register(self.fd, select.POLLOUT)
+        while self.buf and not self.broken:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(InterruptedError):
+                poller.poll(int(left * 1000) + 1)
+            self.flush()
+
+
+class ApartResponder(Responder):
+    """The responder of this process: after each round it sends what ended and its state."""
+
+    outbox: Outbox
+    _state_sent = 0.0
+    _state_key: tuple[Any, ...] = ()
+    _state_due = False
+
+    def _timeout_ms(self) -> int | None:
+        timeout = super()._timeout_ms()
+        if self._state_due or self.outbox.buf:  # a state throttled, or the pipe was full
+            cap = int(STATE_EVERY_S * 1000)
+            timeout = cap if timeout is None else min(timeout, cap)
+        return timeout
+
+    def send(self) -> None:
+        out = self.outbox
+        while self.reports:
+            if not out.put({"t": "report", **asdict(self.reports[0])}):
+                break
+            self.reports.popleft()
+        while self.notices:
+            if not out.put({"t": "notice", "notice": self.notices[0]}):
+                break
+            self.notices.popleft()
+        held = self.held()
+        key = (tuple(sorted(self.counts.items())), tuple((h[0], h[2]) for h in held))
+        if key != self._state_key:
+            self._state_due = True
+        now = time.monotonic()
+        if self._state_due and now - self._state_sent >= STATE_EVERY_S:
+            state = {
+                "t": "state",
+                "counts": self.counts,
+                "held": [[p, o, f, round(s, 3)] for p, o, f, s in held],
+                "peak": self.peak_descriptors,
+                "fds": _fds_in_use(),
+                "dropped": out.dropped,
+            }
+            if out.put(state, limit=STATE_MAX):
+                self._state_key, self._state_sent, self._state_due = key, now, False
+        out.flush()
+
+
+def _fds_in_use() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _drain_eventfd(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError, InterruptedError):
+        os.eventfd_read(fd)
+
+
+def serve(spec: dict[str, Any]) -> int:
+    group = FanotifyGroup.adopt(int(spec["group"]))
+    lease_fd, wake_fd, life_fd = int(spec["lease"]), int(spec["wake"]), int(spec["life"])
+    outbox = Outbox(int(spec["out"]))
+    os.set_blocking(life_fd, False)
+    os.set_blocking(outbox.fd, False)
+    responder: ApartResponder
+
+    def agent_gone() -> None:
+        """The agent's end of the life pipe: EOF when it stops or dies."""
+        try:
+            data = os.read(life_fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            responder._stopping = True
+
+    responder = ApartResponder(
+        group,
+        gate_open=lambda: read_lease(lease_fd),
+        budget_s=float(spec["budget_s"]),
+        own_pid=int(spec["agent_pid"]),
+        also_own=(os.getpid(),),
+        proc=str(spec.get("proc", "/proc")),
+        burst_quiet_s=float(spec["burst_quiet_s"]),
+        held_per_container=int(spec["held_per_container"]),
+        held_total=int(spec["held_total"]),
+        watch_fds={life_fd: agent_gone, wake_fd: lambda: _drain_eventfd(wake_fd)},
+    )
+    responder.outbox = outbox
+    responder.after_step = responder.send
+    # Everything it will use once marks exist, used once now (imports, the lease, JSON).
+    read_lease(lease_fd)
+    responder.send()
+    outbox.put({"t": "ready", "pid": os.getpid()})
+    outbox.flush()
+    responder.serve()  # until the agent's end closes: every held open is allowed then
+    responder.send()
+    outbox.drain(FINAL_FLUSH_S)
+    group.close()
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    # Ctrl-C in a terminal reaches the agent's session only: the agent stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        spec = json.loads(argv[1])
+        return serve(spec)
+    except Exception as exc:  # one line, no traceback: formatting one reads source files
+        with contextlib.suppress(Exception):
+            os.write(2, f"nodeagent hold responder: {type(exc).__name__}: {exc}\n".encode())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

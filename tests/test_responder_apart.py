@@ -1,0 +1,358 @@
+"""The hold's responder apart (issue 38): a stalled, stopped or killed agent stalls no open.
+
+The responder answers in a process of its own (``host/responder_apart.py``,
+``host/responder_main.py``), the gate reaching it as a lease the loop renews.
+On this machine's kernel, with a real fanotify group on a tmpfs:
+
+- the agent's whole process stopped (``SIGSTOP``): opens of other files on the
+  marked filesystem keep completing, a module loader's open of
+  ``nvidia-peermem.ko`` waits (the gate is closed); the agent killed while
+  stopped: the responder goes with it and the held load goes on;
+- the loop thread stalled 10 s (a seam: its ``pass_context`` blocks) with the
+  gate open: the lease runs out as the gate file's does, a load waits while
+  ``nodeagent wait`` would, other opens keep completing; the loop back, the
+  load goes on;
+- the responder killed: what it held goes on at once (the agent closes its
+  copy of the group), the death is recorded, a new responder marks again and
+  holds the next load; one that keeps dying is replaced five times in ten
+  minutes, then the hold is off, said once, and the agent goes on.
+
+How long an open takes through the responder apart is ``bench/hold_latency.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.gatefile import LEASE_S, GateFiles
+from nodeagent.host.hold import sees_host_pids
+from nodeagent.host.hold_lease import LEASE, HoldLease, _check, boottime, read_lease
+from nodeagent.loop.wiring import LoopHooks
+from nodeagent.sim.node import READY
+
+from .apart_agent import build
+from .test_fanotify_hold import _mount_tmpfs, records
+from .waiting import WAIT, until
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- the lease, alone -----------------------------------------------------------------
+
+
+def test_the_lease_reads_open_only_while_whole_current_and_not_too_long() -> None:
+    lease = HoldLease()
+    try:
+        assert read_lease(lease.fd) is False  # closed until written
+        lease.write(True)
+        assert read_lease(lease.fd) is True
+        now = boottime()
+        assert read_lease(lease.fd, now=now + LEASE_S + 0.01) is False  # run out
+        lease.write(True, lease_s=3600)  # longer than any lease the agent writes
+        assert read_lease(lease.fd) is False
+        lease.write(False)
+        assert read_lease(lease.fd) is False
+        until_ = boottime() + 1.0  # a torn write: its check word disagrees
+        os.pwrite(lease.fd, LEASE.pack(1, until_, _check(1, until_) ^ 1), 0)
+        assert read_lease(lease.fd) is False
+        os.pwrite(lease.fd, LEASE.pack(1, until_, _check(1, until_)), 0)
+        assert read_lease(lease.fd) is True
+        os.ftruncate(lease.fd, 4)  # short
+        assert read_lease(lease.fd) is False
+    finally:
+        lease.close()
+    assert read_lease(lease.fd) is False  # a closed descriptor: closed
+
+
+# -- the layout ------------------------------------------------------------------------
+
+
+def driver_root(tmp_path: Path) -> tuple[Path, Path]:
+    """(host root, its ``run/nvidia/driver``: a tmpfs to mark); skips where either cannot be."""
+    if not sees_host_pids():
+        pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
+    root = tmp_path / "root"
+    driver = root / "run/nvidia/driver"
+    driver.mkdir(parents=True)
+    why = _mount_tmpfs(driver)
+    if why:
+        pytest.skip(why)
+    return root, driver
+
+
+def _loader(tmp_path: Path) -> str:
+    modprobe = tmp_path / "bin/modprobe"  # a module loader by name, outside the mark
+    modprobe.parent.mkdir(exist_ok=True)
+    shutil.copy("/bin/cat", modprobe)
+    return str(modprobe)
+
+
+def _hold_status(root: Path) -> dict[str, Any]:
+    try:
+        got = json.loads((root / "run/nodeagent/status.json").read_text()).get("hold")
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _opens_complete(path: Path, n: int) -> None:
+    """``n`` opens of a file the hold does not name, one after another, each answered."""
+    for _ in range(n):
+        p = subprocess.run(["cat", str(path)], capture_output=True, timeout=WAIT)
+        assert p.returncode == 0, p.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _unmounted(driver: Path) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(driver)], capture_output=True)
+
+
+# -- the agent stopped, then killed ----------------------------------------------------
+
+
+def test_a_stopped_agent_stalls_no_open_and_a_killed_one_takes_its_responder_along(
+    tmp_path: Path,
+) -> None:
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    agent = loader = None
+    with _unmounted(driver):
+        try:
+            agent = subprocess.Popen(
+                [sys.executable, "-m", "tests.apart_agent", str(root)],
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+            status = until(
+                lambda: (s := _hold_status(root)).get("responder_pid") and s,
+                "the agent's hold did not start",
+            )
+            assert status["marked"] == ["run/nvidia/driver"] and status["gate_open"] is False
+            responder = int(status["responder_pid"])
+            assert responder != agent.pid and _alive(responder)
+            (ko,) = driver.rglob("nvidia-peermem.ko*")
+            other = driver / "not-a-module"
+            other.write_bytes(b"other\n")
+
+            os.kill(agent.pid, signal.SIGSTOP)  # the whole agent: every thread of it
+            until(
+                lambda: Path(f"/proc/{agent.pid}/stat").read_text().split(") ")[1][0] == "T",
+                "the agent did not stop",
+            )
+            _opens_complete(other, 20)  # answered by the responder apart
+            loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
+            _opens_complete(other, 2)  # two rounds of the responder since the loader's open
+            assert loader.poll() is None, "a load went on with the gate closed"
+            _opens_complete(other, 5)  # still answering, the load still held
+            assert loader.poll() is None
+
+            # Killed while stopped: its end of the life pipe closes, the responder lets go
+            # of every held open and exits; the load goes on (nothing decides it any more).
+            os.kill(agent.pid, signal.SIGKILL)
+            agent.wait(WAIT)
+            out, _ = loader.communicate(timeout=WAIT)
+            assert loader.returncode == 0 and out == ko.read_bytes()
+            until(lambda: not _alive(responder), "the responder outlived the agent")
+        finally:
+            for p in (loader, agent):
+                if p is not None and p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGCONT)
+                    p.kill()
+                    p.wait(WAIT)
+
+
+# -- the loop thread stalled, the responder killed: the agent in this process --------------
+
+
+class _Stall:
+    """The seam: while ``on`` is set, the loop blocks where it enters a pass or a beat
+    (its ``pass_context``), for at most ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.on = threading.Event()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        if self.on.is_set() and threading.current_thread().name == "nodeagent":
+            self.entered.set()
+            self.release.wait(self.seconds)
+        yield
+
+
+@contextlib.contextmanager
+def _agent_here(root: Path, hooks: LoopHooks | None = None) -> Iterator[tuple[Any, Any]]:
+    """The agent (``tests/apart_agent.py``'s) run in a thread of this process until the
+    block ends; (agent, node) once its hold started."""
+    agent, node = build(root, hooks)
+    thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
+    thread.start()
+    try:
+        side = agent.side("peermem")
+        until(lambda: side is not None and side.hold is not None, "the hold did not start")
+        yield agent, node
+        assert thread.is_alive(), "the agent's loop ended"
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
+
+
+@contextlib.contextmanager
+def _loaders() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes the test starts; any still running at the end is killed."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(WAIT)
+
+
+def _held_pids(side: Any) -> list[int]:
+    return [h[0] for h in side.hold.held()] if side.hold is not None else []
+
+
+def _kinds(timeline: Path, kind: str) -> list[dict[str, Any]]:
+    return [r for r in records(timeline) if r.get("kind") == kind]
+
+
+def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(tmp_path: Path) -> None:
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    stall = _Stall(seconds=10.0)
+    gates = GateFiles(HostRoot(str(root)), "run/nodeagent")
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    with (
+        _unmounted(driver),
+        _loaders() as procs,
+        _agent_here(root, LoopHooks(pass_context=stall.context)) as (agent, node),
+    ):
+        try:
+            side = agent.side("peermem")
+            (ko,) = driver.rglob("nvidia-peermem.ko*")
+            other = driver / "not-a-module"
+            other.write_bytes(b"other\n")
+            node.write(READY)  # MOFED ready: the gate opens, the hold's lease with it
+            until(lambda: gates.read("peermem").is_open, "the gate did not open")
+            until(lambda: side.gate_open, "the hold's gate did not open")
+
+            stall.on.set()  # the loop's next beat blocks for up to 10 s
+            assert stall.entered.wait(WAIT), "the loop did not reach the seam"
+            stalled_at = time.monotonic()
+            # Not renewed: the gate file's lease and the responder's run out alike.
+            until(lambda: not gates.read("peermem").is_open, "the gate file's lease ran on")
+            until(lambda: not read_lease(side.hold._lease.fd), "the responder's lease ran on")
+            _opens_complete(other, 20)
+            procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+            loader = procs[0]
+            until(lambda: loader.pid in _held_pids(side), "a load went on, gate read closed")
+            _opens_complete(other, 5)
+            assert loader.poll() is None
+            assert time.monotonic() - stalled_at < stall.seconds, "the stall ended too soon"
+            assert not gates.read("peermem").is_open  # waits as `nodeagent wait` would
+
+            stall.on.clear()
+            stall.release.set()  # the loop is back: it renews, the gate reads open again
+            out, _ = loader.communicate(timeout=WAIT)
+            assert loader.returncode == 0 and out == ko.read_bytes()
+            (rec,) = until(lambda: _kinds(timeline, "held-open"), "the held open not recorded")
+            assert rec["ended"] == "gate opened" and rec["pid"] == loader.pid
+        finally:
+            stall.on.clear()
+            stall.release.set()
+
+
+def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
+    tmp_path: Path,
+) -> None:
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+        side = agent.side("peermem")
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        first = side.hold
+        procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+        until(lambda: procs[0].pid in _held_pids(side), "the load was not held")
+
+        os.kill(first.pid, signal.SIGKILL)
+        out, _ = procs[0].communicate(timeout=WAIT)  # the kernel let it go at once
+        assert procs[0].returncode == 0 and out == ko.read_bytes()
+        (died,) = until(lambda: _kinds(timeline, "hold-responder-died"), "death not recorded")
+        assert died["pid"] == first.pid and died["how"] == "killed by SIGKILL"
+        status = until(
+            lambda: (s := _hold_status(root)).get("responder_restarts") == 1 and s,
+            "no new responder",
+        )
+        assert status["responder_pid"] not in (None, first.pid)
+        assert status["marked"] == ["run/nvidia/driver"] and status["responder"] == "answering"
+        assert len(_kinds(timeline, "hold-started")) == 2
+
+        procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+        until(
+            lambda: side.hold is not first and procs[1].pid in _held_pids(side),
+            "the new responder did not hold the next load",
+        )
+        node.write(READY)
+        out, _ = procs[1].communicate(timeout=WAIT)
+        assert procs[1].returncode == 0 and out == ko.read_bytes()
+
+
+def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_off(
+    tmp_path: Path,
+) -> None:
+    from nodeagent.guards.peermem_hold import RESTARTS_MAX
+
+    root, driver = driver_root(tmp_path)
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    with _unmounted(driver), _agent_here(root) as (agent, _node):
+        side = agent.side("peermem")
+        for n in range(RESTARTS_MAX + 1):
+            hold = until(lambda: side.hold if side.hold and side.hold.alive() else None, "up")
+            os.kill(hold.pid, signal.SIGKILL)
+            until(
+                lambda n=n: len(_kinds(timeline, "hold-responder-died")) == n + 1,
+                "the death was not recorded",
+            )
+        (off,) = until(
+            lambda: [
+                r for r in _kinds(timeline, "state-problem") if "died" in str(r.get("problem"))
+            ],
+            "the hold did not give up",
+        )
+        assert f"died {RESTARTS_MAX + 1} times" in off["problem"]
+        assert "not holding any load until the agent restarts" in off["problem"]
+        until(lambda: side.hold is None, "a hold is still on")
+        assert len(_kinds(timeline, "hold-started")) == RESTARTS_MAX + 1
