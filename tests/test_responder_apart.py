@@ -356,3 +356,108 @@ def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_of
         assert "not holding any load until the agent restarts" in off["problem"]
         until(lambda: side.hold is None, "a hold is still on")
         assert len(_kinds(timeline, "hold-started")) == RESTARTS_MAX + 1
+
+
+def test_a_stuck_responder_is_killed_its_held_opens_go_and_a_new_one_answers(
+    tmp_path: Path,
+) -> None:
+    """A responder that stops answering stalls every open in marked filesystems: silent
+    past its ``stuck_s`` (10 s; 2 s here) while the agent's reader kept listening, it is
+    killed, what it held goes on, and a new one answers."""
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, _node):
+        side = agent.side("peermem")
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        other = driver / "not-a-module"
+        other.write_bytes(b"other\n")
+        first = side.hold
+        first.stuck_s = 2.0
+        procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+        until(lambda: procs[0].pid in _held_pids(side), "the load was not held")
+        os.kill(first.pid, signal.SIGSTOP)  # stuck: it answers nothing
+        procs.append(subprocess.Popen(["cat", str(other)], stdout=subprocess.PIPE))
+        out, _ = procs[1].communicate(timeout=WAIT)  # waits until the stuck one is killed
+        assert procs[1].returncode == 0 and out == b"other\n"
+        out, _ = procs[0].communicate(timeout=WAIT)
+        assert procs[0].returncode == 0 and out == ko.read_bytes()
+        (died,) = until(lambda: _kinds(timeline, "hold-responder-died"), "death not recorded")
+        assert died["stuck"] is True and "silent for 2s" in died["how"]
+        assert died["pid"] == first.pid
+        until(lambda: (h := side.hold) not in (None, first) and h.alive(), "no new responder")
+        _opens_complete(other, 3)
+
+
+# -- it opens no file once it answers -----------------------------------------------------
+
+
+def _notification_group(paths: list[str]) -> int | None:
+    """A fanotify *notification* group (it blocks nothing) told of every open on the
+    filesystems of ``paths``; None where the kernel refuses."""
+    from nodeagent.host.fanotify import _libc
+
+    libc = _libc()  # the hold's own ctypes prototypes
+    fd = libc.fanotify_init(0x2 | 0x1, os.O_RDONLY | os.O_CLOEXEC)  # NONBLOCK|CLOEXEC, NOTIF
+    if fd < 0:
+        return None
+    for path in paths:  # FAN_MARK_ADD | FAN_MARK_FILESYSTEM, FAN_OPEN
+        if libc.fanotify_mark(fd, 0x1 | 0x100, 0x20, -100, os.fsencode(path)) < 0:
+            os.close(fd)
+            return None
+    return fd
+
+
+def _openers(fd: int) -> set[int]:
+    """Pids of the opens told so far (each event's descriptor closed)."""
+    import struct
+
+    meta = struct.Struct("=IBBHQii")
+    pids: set[int] = set()
+    while True:
+        try:
+            buf = os.read(fd, 4096 * meta.size)
+        except BlockingIOError:
+            return pids
+        off = 0
+        while off + meta.size <= len(buf):
+            event_len, _v, _r, _m, _mask, efd, pid = meta.unpack_from(buf, off)
+            if efd >= 0:
+                os.close(efd)
+            pids.add(pid)
+            off += max(event_len, meta.size)
+
+
+def test_once_ready_the_responder_opens_no_file_where_its_code_lives(tmp_path: Path) -> None:
+    """What it must never do: open a file on a filesystem that may be marked, and wait on
+    itself. A notification group watches the filesystems of its Python and of this
+    package while it answers held, released and other opens: none of them is its."""
+    import nodeagent
+
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    watched = sorted({os.path.dirname(os.__file__), os.path.dirname(nodeagent.__file__), "/"})
+    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+        side = agent.side("peermem")
+        fd = _notification_group(watched)
+        if fd is None:
+            pytest.skip("this kernel refuses a fanotify notification group here")
+        try:
+            (ko,) = driver.rglob("nvidia-peermem.ko*")
+            other = driver / "not-a-module"
+            other.write_bytes(b"other\n")
+            _openers(fd)  # what came before (its start) is not the question
+            procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+            until(lambda: procs[0].pid in _held_pids(side), "the load was not held")
+            _opens_complete(other, 5)
+            node.write(READY)
+            out, _ = procs[0].communicate(timeout=WAIT)
+            assert procs[0].returncode == 0 and out == ko.read_bytes()
+            (node.root / READY).unlink()
+            until(lambda: not side.gate_open, "the gate did not close")
+            pid = side.hold.pid
+            seen = _openers(fd)
+            assert procs[0].pid in seen or os.getpid() in seen, "the watch saw nothing"
+            assert pid not in seen, f"the responder (pid {pid}) opened a file on {watched}"
+        finally:
+            os.close(fd)

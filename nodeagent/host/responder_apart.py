@@ -44,6 +44,10 @@ from nodeagent.host.hold import BURST_QUIET_S, DescriptorBudget, HoldReport
 from nodeagent.host.hold_lease import HoldLease
 
 READY_TIMEOUT_S = 15.0  # a Python start under a loaded node; the hold marks nothing before
+# Silent this long (its heartbeat is every second) while the agent's reader kept polling: the
+# responder is stuck, and every open in a marked filesystem with it. It is killed: the
+# kernel lets what it held go, and a new one is started.
+STUCK_S = 10.0
 STOP_TIMEOUT_S = 2.0  # its held opens let go and its last reports read, else SIGKILL
 COUNT_KEYS = ("allowed", "held", "unidentified", "overflow", "no_fd", "over_cap", "faults")
 
@@ -110,6 +114,8 @@ class ResponderProcess:
         self.notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.reported = 0
         self.died: str | None = None  # how the process ended, if it did while it mattered
+        self.stuck = False  # killed by the agent for its silence
+        self.stuck_s = STUCK_S
         self.pid: int | None = None
         self._counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
         self._state: dict[str, Any] = {}
@@ -256,17 +262,34 @@ class ResponderProcess:
     def _read_loop(self) -> None:
         poller = select.poll()
         poller.register(self._out_r, select.POLLIN)
+        heard = time.monotonic()
         while True:
+            ready: list[tuple[int, int]] = []
             with contextlib.suppress(InterruptedError):
-                poller.poll()
+                ready = poller.poll(1000)
+            if not ready:
+                # Nothing waiting in the pipe: had the agent itself been stalled, the
+                # responder's heartbeats would be there now. So silence is the responder's.
+                silent = time.monotonic() - heard >= self.stuck_s
+                if silent and not self._stopping and not poller.poll(0):  # (GIL-starved: no)
+                    self.stuck = True
+                    self._kill()
+                continue
+            heard = time.monotonic()
             chunk = self._read_chunk()
             if chunk is None:
                 break
+            # Never dies of a message: a dead reader would not see the process die, and the
+            # agent's copy of the group would keep its pending opens waiting.
             told = False
             for msg in self._lines(chunk):
-                told = self._take(msg) or told
+                try:
+                    told = self._take(msg) or told
+                except Exception:  # a malformed message is dropped
+                    continue
             if told:
-                self.on_report()
+                with contextlib.suppress(Exception):
+                    self.on_report()
         rc = None
         if self._popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -279,11 +302,14 @@ class ResponderProcess:
         agent's copy of the group is the last), and say so."""
         self.group.close()
         self.died = exit_words(rc)
+        if self.stuck:
+            self.died = f"was silent for {self.stuck_s:g}s (stuck) and was {self.died}"
         self.notices.append(
             {
                 "kind": "hold-responder-died",
                 "pid": self.pid,
                 "how": self.died,
+                "stuck": self.stuck,
                 "meaning": "the hold's responder process ended while the hold was on: the "
                 "agent closed its copy of the group, so the kernel let every pending open go "
                 "(a held load of nvidia-peermem may have gone on with the gate closed); "

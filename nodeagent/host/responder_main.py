@@ -38,6 +38,8 @@ from nodeagent.host.hold_lease import read_lease
 OUTBOX_MAX = 4 << 20  # bytes of messages kept while the agent does not read (it is stalled)
 STATE_MAX = 64 << 10  # a state message is added only while less than this is waiting
 STATE_EVERY_S = 0.1  # at most this often; state is "latest wins", reports are never dropped
+# A state at least this often, changed or not: the agent takes a silent responder for stuck.
+HEARTBEAT_S = 1.0
 FINAL_FLUSH_S = 2.0  # at exit, how long the last reports may wait for the agent to read
 
 
@@ -96,10 +98,9 @@ class ApartResponder(Responder):
 
     def _timeout_ms(self) -> int | None:
         timeout = super()._timeout_ms()
-        if self._state_due or self.outbox.buf:  # a state throttled, or the pipe was full
-            cap = int(STATE_EVERY_S * 1000)
-            timeout = cap if timeout is None else min(timeout, cap)
-        return timeout
+        due = STATE_EVERY_S if self._state_due or self.outbox.buf else HEARTBEAT_S
+        cap = int(due * 1000)  # a state throttled, the pipe was full, or the heartbeat
+        return cap if timeout is None else min(timeout, cap)
 
     def send(self) -> None:
         out = self.outbox
@@ -113,9 +114,9 @@ class ApartResponder(Responder):
             self.notices.popleft()
         held = self.held()
         key = (tuple(sorted(self.counts.items())), tuple((h[0], h[2]) for h in held))
-        if key != self._state_key:
-            self._state_due = True
         now = time.monotonic()
+        if key != self._state_key or now - self._state_sent >= HEARTBEAT_S:
+            self._state_due = True
         if self._state_due and now - self._state_sent >= STATE_EVERY_S:
             state = {
                 "t": "state",
