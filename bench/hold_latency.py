@@ -13,7 +13,14 @@
    files of the marked filesystem, timed without the mark and with it, the
    responder answering every open in a thread of this process or in a process
    of its own (as the agent runs it), alternating, in one run.
-3. The same opens (``--busy-opens`` of them) while this process (standing for
+3. A real compile: ``gcc -c`` of ``--objects`` files, each including
+   ``--headers`` headers, sources and headers on the marked filesystem, one
+   ``gcc`` after another from one shell (as kbuild does per object), without
+   the mark (the responder apart, as the agent runs it) answering every open
+   (the hold before issue 39), and with its ignore marks; alternating, each
+   arm first in turn after one warm-up build, ``--rounds`` rounds; the
+   medians' ratio and the events the responder answered.
+4. The same opens (``--busy-opens`` of them) while this process (standing for
    the agent) is busy in Python in another thread, holding the GIL as a long
    pass does: the thread responder waits for the GIL at each open, the
    process apart does not.
@@ -140,8 +147,9 @@ def mark_cost(root: Path, opens: int, rounds: int, busy_opens: int) -> dict[str,
         hog = threading.Thread(target=_busy, args=(stop,), daemon=True)
         if how is not None:
             group = FanotifyGroup()
-            if how == "apart":
-                responder = spawner(group, budget_s=60)(budget)
+            if how.startswith("apart"):  # "apart": every open answered; "+ignore": as shipped
+                ignore = "auto" if how.endswith("+ignore") else "off"
+                responder = spawner(group, budget_s=60, ignore_marks=ignore)(budget)
             else:
                 responder = Responder(group, gate_open=lambda: False, budget_s=60)
                 responder.start()
@@ -162,9 +170,82 @@ def mark_cost(root: Path, opens: int, rounds: int, busy_opens: int) -> dict[str,
         run("no mark", opens, None, False)
         run("thread", opens, "thread", False)
         run("apart", opens, "apart", False)
+        run("apart, ignore marks", opens, "apart+ignore", False)
         run("no mark, agent busy", busy_opens, None, True)
         run("thread, agent busy", busy_opens, "thread", True)
         run("apart, agent busy", busy_opens, "apart", True)
+    return out
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """A process's user + system CPU so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def compile_tree(top: Path, objects: int, headers: int) -> Path:
+    """``inc/`` with ``headers`` headers, ``src/`` with ``objects`` sources each including
+    all of them, ``obj/`` for the objects, and ``build.sh`` compiling them in turn."""
+    inc, src, obj = top / "inc", top / "src", top / "obj"
+    for d in (inc, src, obj):
+        d.mkdir(parents=True, exist_ok=True)
+    for i in range(headers):
+        (inc / f"h{i}.h").write_text(
+            f"#ifndef H{i}\n#define H{i}\nstruct s{i} {{ int a; long b; }};\n"
+            f"static inline int f{i}(int x) {{ return x * {i} + 1; }}\n#endif\n"
+        )
+    includes = "".join(f'#include "h{i}.h"\n' for i in range(headers))
+    for j in range(objects):
+        (src / f"o{j}.c").write_text(f"{includes}int g{j}(int x) {{ return f0(x) + {j}; }}\n")
+    script = top / "build.sh"
+    script.write_text(
+        "set -e\n"
+        f'for f in "{src}"/*.c; do\n'
+        f'  gcc -O0 -c -I "{inc}" "$f" -o "{obj}/$(basename "$f" .c).o"\n'
+        "done\n"
+    )
+    return script
+
+
+def compile_cost(
+    root: Path, objects: int, headers: int, rounds: int
+) -> dict[str, tuple[list[float], list[int]]]:
+    """Per arm: seconds per round, and the events the responder answered per round. The
+    arms alternate in each round: no mark; the mark with the responder answering every
+    open (ignore marks off: the hold before issue 39); the mark with ignore marks (what
+    this kernel gives)."""
+    top = root / "run/nvidia/driver/usr/src/bench"
+    script = compile_tree(top, objects, headers)
+    budget, _ = descriptor_budget()
+    out: dict[str, tuple[list[float], list[int]]] = {}
+    per_event: dict[str, list[float]] = {}
+    plan = [("no mark", None), ("mark, every open", "off"), ("mark", "auto")]
+    subprocess.run(["sh", str(script)], check=True)  # a warm-up: caches, the objects' files
+    for r in range(rounds):
+        for arm, ignore in plan[r % 3 :] + plan[: r % 3]:  # each arm first in turn
+            times, events = out.setdefault(arm, ([], []))
+            responder = None
+            if ignore is not None:
+                group = FanotifyGroup()
+                responder = spawner(group, budget_s=60, ignore_marks=ignore)(budget)
+                group.mark_filesystem(str(top))
+            try:
+                cpu0 = cpu_seconds(responder.pid) if responder is not None else 0.0
+                t = time.perf_counter()
+                subprocess.run(["sh", str(script)], check=True)
+                times.append(time.perf_counter() - t)
+                cpu = cpu_seconds(responder.pid) - cpu0 if responder is not None else 0.0
+            finally:
+                if responder is not None:
+                    responder.stop()  # its last state says what it answered
+                    n = sum(responder.counts.values())
+                    events.append(n)
+                    per_event.setdefault(arm, []).append(cpu / max(n, 1))
+                    status = responder.ignore_status() or {}
+                    out.setdefault(f"{arm}: ignore marks {status.get('mode')}", ([], []))
+    for arm, xs in per_event.items():
+        us = statistics.median(xs) * 1e6
+        out.setdefault(f"{arm}: the responder's CPU per event {us:.0f} us", ([], []))
     return out
 
 
@@ -174,6 +255,9 @@ def main() -> int:
     ap.add_argument("--opens", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--busy-opens", type=int, default=2_000)
+    ap.add_argument("--objects", type=int, default=100)
+    ap.add_argument("--headers", type=int, default=300)
+    ap.add_argument("--only", choices=("latency", "opens", "compile"), default=None)
     args = ap.parse_args()
     print(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"# machine: {os.cpu_count()} cpus, kernel {os.uname().release}")
@@ -185,12 +269,31 @@ def main() -> int:
     root.mkdir()
     node = node_with_marked_driver_root(root)
     try:
-        lat = latency(root, node, args.trials)
-        ms = [x * 1000 for x in lat]
-        print(
-            f"ready flag -> held load goes on (real agent loop, {len(ms)} trials): "
-            f"p50 {pct(ms, 0.5):.2f} ms  p99 {pct(ms, 0.99):.2f} ms  max {max(ms):.2f} ms"
-        )
+        if args.only in (None, "latency"):
+            lat = latency(root, node, args.trials)
+            ms = [x * 1000 for x in lat]
+            print(
+                f"ready flag -> held load goes on (real agent loop, {len(ms)} trials): "
+                f"p50 {pct(ms, 0.5):.2f} ms  p99 {pct(ms, 0.99):.2f} ms  max {max(ms):.2f} ms"
+            )
+        if args.only in (None, "compile"):
+            arms = compile_cost(root, args.objects, args.headers, args.rounds)
+            base = statistics.median(arms["no mark"][0])
+            print(
+                f"gcc -c of {args.objects} objects x {args.headers} headers on the marked "
+                f"filesystem, one gcc after another, {args.rounds} rounds alternating "
+                "(medians):"
+            )
+            for arm, (times, events) in arms.items():
+                if not times:
+                    print(f"  ({arm})")
+                    continue
+                m = statistics.median(times)
+                ev = f"{statistics.median(events):8.0f} events" if events else " " * 15
+                each = " ".join(f"{t:.2f}" for t in times)
+                print(f"  {arm:<18} {m:7.2f} s  ratio {m / base:.3f}  {ev}  (rounds: {each})")
+        if args.only not in (None, "opens"):
+            return 0
         arms = mark_cost(root, args.opens, args.rounds, args.busy_opens)
         base = statistics.median(arms["no mark"])
         print(

@@ -110,9 +110,13 @@ def _hold_status(root: Path) -> dict[str, Any]:
 
 
 def _opens_complete(path: Path, n: int) -> None:
-    """``n`` opens of a file the hold does not name, one after another, each answered."""
+    """``n`` opens of files the hold does not name, one after another, each answered by
+    the responder: each a new file beside ``path`` (a file opened before is filtered in
+    the kernel by its ignore mark, and never reaches the responder)."""
     for _ in range(n):
-        p = subprocess.run(["cat", str(path)], capture_output=True, timeout=WAIT)
+        fresh = path.with_name(f"{path.name}.{time.monotonic_ns()}")
+        fresh.write_bytes(b"other\n")
+        p = subprocess.run(["cat", str(fresh)], capture_output=True, timeout=WAIT)
         assert p.returncode == 0, p.stderr
 
 

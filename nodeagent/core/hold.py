@@ -109,3 +109,26 @@ def matching_rule(argv: Sequence[str], rules: Sequence[str]) -> str | None:
             if list(argv[i + 1 : i + 1 + len(args)]) == args:
                 return rule
     return None
+
+
+# What a kernel module file can start with: an ELF relocatable object (``ET_REL``, either
+# byte order) or a compressed one (xz, zstd, gzip: ``.ko.xz``, ``.ko.zst``, ``.ko.gz``).
+_COMPRESSED_MAGIC = (b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd", b"\x1f\x8b")
+MODULE_HEAD_BYTES = 18  # enough for e_ident and e_type
+_ET_REL = 1
+
+
+def could_be_module(head: bytes) -> bool:
+    """Whether a regular file that starts with ``head`` could be loaded as a module.
+
+    The hold filters in the kernel (an ignore mark) only files that could not: a file
+    is a target by its name, and a renamed or linked file keeps its inode's mark, so
+    no file whose content could be a module is ever ignored, whatever it is called.
+    A write clears the mark (``host/fanotify.IgnoreMarks``), so content that becomes a
+    module later is seen again."""
+    if head.startswith(b"\x7fELF"):
+        if len(head) < MODULE_HEAD_BYTES:
+            return True  # a header cut short: not ruled out
+        e_type = head[16:18] if head[5] == 1 else head[17:15:-1]  # little-endian, or big
+        return int.from_bytes(e_type, "little") == _ET_REL
+    return head.startswith(_COMPRESSED_MAGIC)

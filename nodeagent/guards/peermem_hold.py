@@ -177,6 +177,9 @@ class PeermemHold(GuardSide):
             # Its own process (pid), or a thread of the agent's (None); replaced after deaths.
             "responder_pid": getattr(self.hold, "pid", None),
             "responder_restarts": len(self.restarts),
+            # Non-target files filtered in the kernel after their first open: how
+            # (evictable, pinned, off), how many; None for a responder without them.
+            "ignore_marks": self._ignore_status(),
             # Descriptors: the limit (raised to the hard one at start), the reserve kept for
             # the rest of the agent, the caps on held opens fitted in what is left, in use now.
             "descriptors": self._descriptors(),
@@ -251,6 +254,10 @@ class PeermemHold(GuardSide):
             self.hold.stop()
             self._record_holds()
         self.hold, self.containers, self.marked = None, None, []
+
+    def _ignore_status(self) -> dict[str, Any] | None:
+        status = getattr(self.hold, "ignore_status", None)
+        return status() if status is not None else None
 
     def _descriptors(self) -> dict[str, int] | None:
         budget = self.hold.descriptors if self.hold is not None else None

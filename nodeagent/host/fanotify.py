@@ -26,11 +26,14 @@ import ctypes
 import errno
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from nodeagent.core.hold import MODULE_HEAD_BYTES, could_be_module
 
 FAN_CLOEXEC = 0x00000001
 FAN_NONBLOCK = 0x00000002
@@ -38,6 +41,8 @@ FAN_CLASS_CONTENT = 0x00000004
 FAN_UNLIMITED_QUEUE = 0x00000010
 FAN_MARK_ADD = 0x00000001
 FAN_MARK_REMOVE = 0x00000002
+FAN_MARK_IGNORED_MASK = 0x00000020
+FAN_MARK_EVICTABLE = 0x00000200  # 5.19: the kernel may drop the mark with the inode
 FAN_MARK_FILESYSTEM = 0x00000100
 FAN_OPEN_PERM = 0x00010000
 FAN_Q_OVERFLOW = 0x00004000
@@ -290,3 +295,92 @@ class FanotifyGroup:
             fd, self.fd = self.fd, -1
             if fd >= 0:
                 os.close(fd)
+
+
+# Marks pinned at most where the kernel cannot evict them (before 5.19): each pins an inode
+# in memory until the group closes. Past it, opens are answered one by one as before.
+PINNED_MAX = 16384
+
+
+class IgnoreMarks:
+    """Opens of files that cannot be a target, filtered in the kernel after the first.
+
+    On the first event for a regular file the hold does not name and whose content
+    could not be a module (``core/hold.could_be_module``), the responder adds an
+    inode ignore mark for ``FAN_OPEN_PERM`` through the event's own descriptor (no
+    path: the file the kernel gave, in whatever namespace it lives), **before** it
+    allows the open; later opens of that inode never reach the responder. Without
+    ``FAN_MARK_IGNORED_SURV_MODIFY``, so a write to the file (by the opener it was
+    just allowed for too) clears the mark: content that becomes a module is seen
+    again. A rename or a link keeps an inode's mark, which is why no file that could
+    be a module, by its bytes, is ever ignored, whatever its name.
+
+    ``mode``: ``evictable`` (5.19+: ``FAN_MARK_EVICTABLE``, the kernel drops marks of
+    inodes it evicts, so memory stays bounded), ``pinned`` (older kernels: at most
+    ``PINNED_MAX`` marks, each pinning its inode until the group closes), ``off``.
+    ``auto`` probes the kernel at start (``probe``)."""
+
+    def __init__(self, group: FanotifyGroup, mode: str = "auto", pinned_max: int = PINNED_MAX):
+        self.group = group
+        self.pinned_max = pinned_max
+        self.added = 0  # marks added
+        self.modules = 0  # first opens of files that could be modules: never ignored
+        self.failed = 0  # marks the kernel refused (after the probe)
+        self.problem: str | None = None
+        self.mode = self.probe() if mode == "auto" else mode
+
+    def probe(self) -> str:
+        """``evictable`` if the kernel takes an evictable ignore mark (on a memfd of our
+        own, removed at once), else ``pinned``; ``off`` if it takes no ignore mark."""
+        for mode, flags in (("evictable", FAN_MARK_EVICTABLE), ("pinned", 0)):
+            fd = os.memfd_create("nodeagent-ignore-probe", os.MFD_CLOEXEC)
+            try:
+                if self._mark(FAN_MARK_ADD | FAN_MARK_IGNORED_MASK | flags, fd) == 0:
+                    self._mark(FAN_MARK_REMOVE | FAN_MARK_IGNORED_MASK, fd)
+                    return mode
+                err = ctypes.get_errno()
+            finally:
+                os.close(fd)
+        self.problem = f"the kernel takes no fanotify ignore mark ({os.strerror(err)})"
+        return "off"
+
+    def _mark(self, flags: int, fd: int) -> int:
+        return int(self.group._libc.fanotify_mark(self.group.fd, flags, FAN_OPEN_PERM, fd, None))
+
+    def add(self, fd: int) -> None:
+        """Ignore the file ``fd`` is open on, if it cannot be a target (never raises)."""
+        if self.mode == "off" or fd < 0:
+            return
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return  # a FIFO or device: never read, never ignored
+            if could_be_module(os.pread(fd, MODULE_HEAD_BYTES, 0)):
+                self.modules += 1
+                return
+        except OSError:
+            return
+        evictable = self.mode == "evictable"
+        if not evictable and self.added >= self.pinned_max:
+            return
+        flags = FAN_MARK_ADD | FAN_MARK_IGNORED_MASK | (FAN_MARK_EVICTABLE if evictable else 0)
+        if self._mark(flags, fd) == 0:
+            self.added += 1
+            return
+        err = ctypes.get_errno()
+        self.failed += 1
+        if err == errno.ENOSPC:  # the user's mark limit: stop adding, say so once
+            self.problem = f"ignore marks stopped at {self.added}: {os.strerror(err)}"
+            self.mode = "off"
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "added": self.added,
+            "modules_seen": self.modules,
+            "failed": self.failed,
+        }
+        if self.mode == "pinned":
+            out["pinned_max"] = self.pinned_max
+        if self.problem:
+            out["problem"] = self.problem
+        return out

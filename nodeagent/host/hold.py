@@ -232,6 +232,7 @@ class Responder:
         also_own: Collection[int] = (),
         watch_fds: Mapping[int, Callable[[], None]] | None = None,
         after_step: Callable[[], None] = lambda: None,
+        ignore: Callable[[int], None] | None = None,
     ) -> None:
         """``on_report``: called (from the responder thread, so it must not block or open a
         file) when a report or a notice is added: the loop records it on its next pass.
@@ -243,7 +244,10 @@ class Responder:
         for status. ``also_own``: pids besides ``own_pid`` whose opens are the agent's own
         (the responder's process, when it runs apart). ``watch_fds``: descriptors the
         thread also waits on, each with what to do when it is readable; ``after_step``:
-        called after each round (the process apart sends its reports there)."""
+        called after each round (the process apart sends its reports there). ``ignore``:
+        given an event's descriptor, filters later opens of that file in the kernel if it
+        cannot be a target (``host/fanotify.IgnoreMarks.add``); called before the first
+        open of a file the hold does not name is allowed."""
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
@@ -251,6 +255,7 @@ class Responder:
         self.own_pids = frozenset({self.own_pid, *also_own})
         self.watch_fds = dict(watch_fds or {})
         self.after_step = after_step
+        self.ignore = ignore
         self.clock = clock
         self.proc = proc
         self.loader_of = loader_of or (lambda pid: is_loader(pid, proc))
@@ -348,10 +353,12 @@ class Responder:
                 ready: list[tuple[int, int]] = []
                 with contextlib.suppress(InterruptedError):
                     ready = poller.poll(self._timeout_ms())
+                woken = False
                 for fd, _ in ready:
                     if fd in self.watch_fds:
                         self.watch_fds[fd]()
-                self.step()
+                    woken = woken or fd == self._wake.fileno()
+                self.step(drain=woken)
                 self.after_step()
                 if self._backoff:
                     self._backoff = False
@@ -364,11 +371,14 @@ class Responder:
         finally:
             self._end_bursts(stopping=True)
 
-    def step(self) -> None:
+    def step(self, drain: bool = True) -> None:
         """One round: take the wake-ups, answer every event read, release what may go.
         The thread runs it after each wait; the simulator calls it between its steps.
-        Raises nothing: an event whose answer failed is allowed if it can still be."""
-        self._wake.drain()
+        Raises nothing: an event whose answer failed is allowed if it can still be.
+        ``drain``: take the wake-ups (the thread knows when there are none: a syscall
+        saved per event)."""
+        if drain:
+            self._wake.drain()
         try:
             events = self.source.read()
         except Exception as exc:  # EMFILE/ENFILE: the kernel denied the event it could not
@@ -502,6 +512,8 @@ class Responder:
             return
         path = self.path_of(event)
         if held_open(path) is None:
+            if self.ignore is not None:  # before the answer: the opener's writes clear it
+                self.ignore(event.fd)
             self._allow(event)
             return
         if event.pid <= 0:

@@ -58,13 +58,19 @@ def spawner(
     budget_s: float,
     on_report: Callable[[], None] = lambda: None,
     proc: str = "/proc",
+    ignore_marks: str = "auto",
 ) -> Callable[[DescriptorBudget], ResponderProcess]:
     """``start_hold``'s ``apart``: a responder process for ``group``, started (it answers
     before the hold marks anything); OSError when it does not."""
 
     def start(descriptors: DescriptorBudget) -> ResponderProcess:
         responder = ResponderProcess(
-            group, budget_s=budget_s, descriptors=descriptors, on_report=on_report, proc=proc
+            group,
+            budget_s=budget_s,
+            descriptors=descriptors,
+            on_report=on_report,
+            proc=proc,
+            ignore_marks=ignore_marks,
         )
         responder.start()
         return responder
@@ -99,9 +105,13 @@ class ResponderProcess:
         burst_quiet_s: float = BURST_QUIET_S,
         python: str = sys.executable,
         ready_timeout_s: float = READY_TIMEOUT_S,
+        ignore_marks: str = "auto",
     ) -> None:
         """``on_report``: called from the reader thread (a pipe write: it must not block)
-        when a report or a notice arrives, and when the process dies."""
+        when a report or a notice arrives, and when the process dies. ``ignore_marks``:
+        ``auto`` (what the kernel supports), ``evictable``, ``pinned`` or ``off``
+        (``host/fanotify.IgnoreMarks``; a test forces the fallbacks)."""
+        self.ignore_marks = ignore_marks
         self.group = group
         self.budget_s = budget_s
         self.descriptors: DescriptorBudget | None = descriptors
@@ -154,6 +164,7 @@ class ResponderProcess:
             "held_per_container": descriptors.held_per_container,
             "burst_quiet_s": self.burst_quiet_s,
             "proc": self.proc,
+            "ignore": self.ignore_marks,
         }
         # Its own small environment: where this package is, nothing else inherited.
         env = {
@@ -231,6 +242,13 @@ class ResponderProcess:
         """The process's descriptors as it last said (held opens keep one each)."""
         with self._lock:
             return int(self._state.get("fds", -1))
+
+    def ignore_status(self) -> dict[str, Any] | None:
+        """Its ignore marks as it last said: mode, how many, files seen that could be
+        modules (never ignored)."""
+        with self._lock:
+            got = self._state.get("ignore")
+            return dict(got) if isinstance(got, dict) else None
 
     def held(self) -> list[tuple[int, str, str, float]]:
         with self._lock:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
 from nodeagent.host.hold import Responder
 from nodeagent.host.hold_lease import read_lease
 
@@ -92,6 +92,7 @@ class ApartResponder(Responder):
     """The responder of this process: after each round it sends what ended and its state."""
 
     outbox: Outbox
+    marks: IgnoreMarks | None = None
     _state_sent = 0.0
     _state_key: tuple[Any, ...] = ()
     _state_due = False
@@ -112,12 +113,14 @@ class ApartResponder(Responder):
             if not out.put({"t": "notice", "notice": self.notices[0]}):
                 break
             self.notices.popleft()
-        held = self.held()
-        key = (tuple(sorted(self.counts.items())), tuple((h[0], h[2]) for h in held))
+        # Cheap first (this runs after every event): what may have changed, and when.
+        sig = (sum(self.counts.values()), len(self._held), self.reported)
         now = time.monotonic()
-        if key != self._state_key or now - self._state_sent >= HEARTBEAT_S:
+        if sig != self._state_key or now - self._state_sent >= HEARTBEAT_S:
             self._state_due = True
         if self._state_due and now - self._state_sent >= STATE_EVERY_S:
+            held = self.held()
+            marks = self.marks.status() if self.marks is not None else None
             state = {
                 "t": "state",
                 "counts": self.counts,
@@ -125,10 +128,12 @@ class ApartResponder(Responder):
                 "peak": self.peak_descriptors,
                 "fds": _fds_in_use(),
                 "dropped": out.dropped,
+                "ignore": marks,
             }
             if out.put(state, limit=STATE_MAX):
-                self._state_key, self._state_sent, self._state_due = key, now, False
-        out.flush()
+                self._state_key, self._state_sent, self._state_due = sig, now, False
+        if out.buf:
+            out.flush()
 
 
 def _fds_in_use() -> int:
@@ -162,6 +167,7 @@ def serve(spec: dict[str, Any]) -> int:
         if not data:
             responder._stopping = True
 
+    marks = IgnoreMarks(group, mode=str(spec.get("ignore", "auto")))
     responder = ApartResponder(
         group,
         gate_open=lambda: read_lease(lease_fd),
@@ -173,7 +179,9 @@ def serve(spec: dict[str, Any]) -> int:
         held_per_container=int(spec["held_per_container"]),
         held_total=int(spec["held_total"]),
         watch_fds={life_fd: agent_gone, wake_fd: lambda: _drain_eventfd(wake_fd)},
+        ignore=marks.add,
     )
+    responder.marks = marks
     responder.outbox = outbox
     responder.after_step = responder.send
     # Everything it will use once marks exist, used once now (imports, the lease, JSON).
@@ -182,6 +190,7 @@ def serve(spec: dict[str, Any]) -> int:
     outbox.put({"t": "ready", "pid": os.getpid()})
     outbox.flush()
     responder.serve()  # until the agent's end closes: every held open is allowed then
+    responder._state_due, responder._state_sent = True, 0.0  # its last state, whatever it is
     responder.send()
     outbox.drain(FINAL_FLUSH_S)
     group.close()

@@ -266,3 +266,69 @@ def test_the_responder_apart_answers_for_a_stopped_agent_and_goes_with_a_killed_
         if proc is not None:
             proc.kill()
     assert _loaded(PEER.name)
+
+
+@pytest.mark.parametrize("mode", ["auto", "pinned"])
+def test_ignore_marks_on_6_1_never_hide_the_module(
+    root: Root, mode: str, built_modules: Callable[[KModule], Path]
+) -> None:
+    """Issue 39 on the 6.1 guest: the responder apart filters non-target opens in the kernel
+    (evictable ignore marks: 5.19+; ``pinned`` forced as on 5.14/5.15), yet a real
+    ``modprobe`` of nvidia-peermem is held after the container read its directory, after
+    the module was renamed into place from a file read before, and after a new copy
+    appeared in a directory read before."""
+    from nodeagent.host.hold import descriptor_budget, start_hold
+    from nodeagent.host.responder_apart import spawner
+
+    group = FanotifyGroup()
+    budget, _ = descriptor_budget()
+    responder, marked, problems = start_hold(
+        group,
+        group.mark_filesystem,
+        [("root", root.merged)],
+        gate_open=lambda: False,
+        budget_s=600.0,
+        host_pids=True,
+        budget=budget,
+        apart=spawner(group, budget_s=600.0, ignore_marks=mode),
+    )
+    assert responder is not None and marked == ["root"], problems
+    video = f"/lib/modules/{root.kver}/kernel/drivers/video"
+    try:
+        status = waiting.until(responder.ignore_status, "its ignore marks", WAIT)
+        assert status["mode"] == ("evictable" if mode == "auto" else "pinned"), status
+        for argv in (
+            ["/usr/bin/cat", f"/lib/modules/{root.kver}/modules.dep"],
+            ["/usr/bin/cat", f"/lib/modules/{root.kver}/modules.dep"],  # again: ignored
+            ["/usr/sbin/modinfo", "nvidia-peermem"],
+        ):
+            p = subprocess.run(in_container(root, *argv), capture_output=True, timeout=WAIT)
+            assert p.returncode == 0, (argv, p.stderr)
+        until(lambda: (responder.ignore_status() or {}).get("added", 0) >= 1, "no ignore mark")
+
+        def held_load() -> None:
+            proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
+            try:
+                until(responder.held, "modprobe's open of nvidia-peermem.ko was not held")
+                assert proc.poll() is None and not _loaded(PEER.name)
+                responder.follow(True)  # the gate opens: the held load goes on
+                assert proc.wait(WAIT) == 0 and _loaded(PEER.name)
+                responder.follow(False)
+            finally:
+                proc.kill()
+            _unload()
+
+        held_load()  # its directory read before
+        # Renamed into place from a copy read before (as strip/objcopy leave one).
+        merged_video = root.merged + video
+        shutil.copy(f"{merged_video}/nvidia-peermem.ko", f"{merged_video}/peermem.tmp")
+        cat = in_container(root, "/usr/bin/cat", f"{video}/peermem.tmp")
+        assert subprocess.run(cat, capture_output=True, timeout=WAIT).returncode == 0
+        os.replace(f"{merged_video}/peermem.tmp", f"{merged_video}/nvidia-peermem.ko")
+        held_load()
+        # A new copy in a directory whose files were read before.
+        os.unlink(f"{merged_video}/nvidia-peermem.ko")
+        shutil.copy(built_modules(PEER), f"{merged_video}/nvidia-peermem.ko")
+        held_load()
+    finally:
+        responder.stop()
