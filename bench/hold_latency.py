@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shlex
 import shutil
 import statistics
@@ -78,10 +79,28 @@ def wait(pred: object, what: str, timeout: float = 20.0) -> None:
 
 
 def node_with_marked_driver_root(root: Path) -> Node:
-    driver = root / "run/nvidia/driver"
+    """The node's layout as the DaemonSet sees it: ``/run`` a tmpfs (status, gate files),
+    ``/var/lib`` on the disk this bench runs from (memory, timeline), and the driver's
+    root a tmpfs of its own (the marked filesystem)."""
+    run = root / "run"
+    run.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "nodeagent-bench-run", str(run)], check=True)
+    driver = run / "nvidia/driver"
     driver.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "nodeagent-bench", str(driver)], check=True)
     return stack_node(root, KVER)  # the GPU tree is installed into the tmpfs
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """Until ``proc`` exits, woken by its pidfd the moment it does (``Popen.wait`` with a
+    timeout polls with growing sleeps: it would add milliseconds to what is timed)."""
+    fd = os.pidfd_open(proc.pid)
+    try:
+        if not select.select([fd], [], [], timeout)[0]:
+            raise SystemExit(f"bench: the loader did not exit within {timeout:g} s")
+    finally:
+        os.close(fd)
+    proc.wait()
 
 
 def latency(root: Path, node: Node, trials: int) -> list[float]:
@@ -112,7 +131,7 @@ def latency(root: Path, node: Node, trials: int) -> list[float]:
             wait(hold.held, "the loader held")
             t0 = time.perf_counter()
             node.write(READY)
-            proc.wait(20)
+            wait_exit(proc)
             out.append(time.perf_counter() - t0)
             node.remove(READY)  # MOFED restarts: the gate closes again
             wait(lambda: not side.gate_open, "the gate closed again")
@@ -307,6 +326,7 @@ def main() -> int:
     finally:
         node.kernel.uevent_source.close()
         subprocess.run(["umount", "-l", str(root / "run/nvidia/driver")], capture_output=True)
+        subprocess.run(["umount", "-l", str(root / "run")], capture_output=True)
         shutil.rmtree(top, ignore_errors=True)
     return 0
 

@@ -212,9 +212,17 @@ class PeermemHold(GuardSide):
     def _follow(self, is_open: bool) -> None:
         """Tell the responder the gate: at a change, and while open at every pass and beat
         (the process apart reads a lease that runs out without them)."""
-        if self.hold is not None and (is_open or is_open != self.gate_open):
-            self.gate_open = is_open
-            self.hold.follow(is_open)
+        if self.hold is None or not (is_open or is_open != self.gate_open):
+            return
+        # Closing, the responder's lease first: whoever sees gate_open False finds it closed
+        # (a load started then is held). Opening, the flag first: a thread responder reads it
+        # when follow wakes it.
+        if is_open:
+            self.gate_open = True
+            self.hold.follow(True)
+        else:
+            self.hold.follow(False)
+            self.gate_open = False
 
     def _replace_dead_responder(self) -> None:
         """A responder process that died: its pending opens went when the agent closed its

@@ -18,7 +18,11 @@ safety, and it is decided here and nowhere else:
    joined (observe mode: they are recorded as not performed).
 5. **Record** what the workers did, in the order it happened, then this
    pass's decisions: each guard's, when any verdict or action changed or an
-   event happened; an undone observe-mode action once, not per pass.
+   event happened; an undone observe-mode action once, not per pass. The
+   exporters see each record at once; the timeline gets the pass's records
+   in one write and one sync, before the status (and the rest at the pass's
+   end): a sync per record would put milliseconds of disk between the ready
+   flag and a held load.
 6. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
    exporters that publish from the verdicts (labels, NPD), the status. A
    failure of memory or status means the pass vouches for no open gate.
@@ -115,7 +119,10 @@ class Passes:
     def run(self, woken_by: Sequence[str] = ()) -> PassResult:
         with self.pass_context():
             try:
-                result = self._pass(woken_by)
+                try:
+                    result = self._pass(woken_by)
+                finally:
+                    self.books.end_pass()  # its records on disk, whatever happened
                 if not self.workers.threaded:
                     self.workers.run_pending()
             except BaseException as exc:
@@ -196,6 +203,7 @@ class Passes:
             side.after_memory(memory)
         for problem in self.exporters.publish(rec.verdicts):  # never held against a gate
             books.problem(problem)
+        books.flush()  # the pass's records so far, in one write, before its status
         books.write_status(self.status(snap, rec.verdicts, outcomes))
 
         # 7. Publish last.

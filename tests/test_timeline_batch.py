@@ -1,0 +1,59 @@
+"""A pass writes its records to the timeline together: one write and one sync, not one each.
+
+On a disk each ``fdatasync`` is milliseconds, and they stood between MOFED's
+ready flag and a held load (issue 39). The exporters still see each record
+the moment it is made; the timeline has the pass's records before its status.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nodeagent.agent import Agent
+from nodeagent.config import Config
+
+from .healthy import healthy_node
+
+
+def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Path) -> None:
+    node = healthy_node(tmp_path)
+    seen: list[str] = []
+    agent = Agent(
+        Config(host_root=str(tmp_path), mode="enforce", uevents=False),
+        module_ops=node.kernel,
+        kernel_log=lambda m: [],
+        on_record=lambda r: seen.append(str(r.get("kind"))),
+    )
+    try:
+        timeline = agent.books.timeline
+        writes: list[list[str]] = []
+        append_many = timeline.append_many
+
+        def counting(records: Any) -> None:
+            writes.append([str(r.get("kind")) for r in records])
+            append_many(records)
+
+        timeline.append_many = counting  # type: ignore[method-assign]
+        status_at: list[int] = []
+        write_status = agent.books.state.write_status
+
+        def noting(doc: Any) -> None:
+            status_at.append(len(writes))
+            write_status(doc)
+
+        agent.books.state.write_status = noting  # type: ignore[method-assign]
+        agent.run_pass(["start"])
+        decisions = [k for k in seen if k == "decision"]
+        assert len(decisions) >= 3  # one per guard: the pass records them all
+        assert status_at == [1], "the pass's records were not written once, before its status"
+        assert writes[0].count("decision") == len(decisions)
+        written = [r["kind"] for r in timeline.records()]
+        assert written[-len(writes[0]) :] == writes[0]
+        # Between passes a record is written at once.
+        agent.record({"kind": "state-problem", "problem": "between passes"})
+        assert writes[-1] == ["state-problem"]
+        assert [r["kind"] for r in timeline.records()][-1] == "state-problem"
+    finally:
+        agent.close()
+        node.kernel.uevent_source.close()
