@@ -34,9 +34,10 @@ class Timeline:
         """One O_APPEND write. Raises OSError/NodeagentError (the caller reports it)."""
         self.append_many([record])
 
-    def append_many(self, records: Sequence[Mapping[str, Any]]) -> None:
+    def append_many(self, records: Sequence[Mapping[str, Any]], *, sync: bool = True) -> None:
         """Records in one O_APPEND write and one ``fdatasync`` (a pass's, together: on a
-        disk each sync is milliseconds). Raises OSError/NodeagentError."""
+        disk each sync is milliseconds); ``sync=False``: the caller syncs later (``sync``).
+        Raises OSError/NodeagentError."""
         if not records:
             return
         line = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in records).encode()
@@ -50,12 +51,31 @@ class Timeline:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise NotRegularFile(errno.EINVAL, f"{self.rel} is not a regular file")
                 os.write(fd, line)
-                os.fdatasync(fd)
                 size = os.fstat(fd).st_size
+                if sync or size > self.max_bytes:  # (a file rotated away is synced first)
+                    os.fdatasync(fd)
             finally:
                 os.close(fd)
             if size > self.max_bytes:
                 self._rotate(dfd, name)
+        finally:
+            os.close(dfd)
+
+    def sync(self) -> None:
+        """``fdatasync`` what was appended without it. Raises OSError/NodeagentError."""
+        name = self.rel.rsplit("/", 1)[-1]
+        dfd = self.host.open_dir(self.directory, create=True)
+        try:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(name, flags, dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
         finally:
             os.close(dfd)
 

@@ -1,5 +1,9 @@
 """A pass writes its records to the timeline together: one write and one sync, not one each.
 
+The write comes before the pass's status (readers see the lines at once), the sync at
+the pass's end, after the gate: only a power loss could take unsynced lines, and it
+takes ``/run``'s gate files with them.
+
 On a disk each ``fdatasync`` is milliseconds, and they stood between MOFED's
 ready flag and a held load (issue 39). The exporters still see each record
 the moment it is made; the timeline has the pass's records before its status.
@@ -30,11 +34,19 @@ def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Pat
         writes: list[list[str]] = []
         append_many = timeline.append_many
 
-        def counting(records: Any) -> None:
+        def counting(records: Any, **kw: Any) -> None:
             writes.append([str(r.get("kind")) for r in records])
-            append_many(records)
+            append_many(records, **kw)
 
         timeline.append_many = counting  # type: ignore[method-assign]
+        syncs: list[int] = []
+        sync = timeline.sync
+
+        def syncing() -> None:
+            syncs.append(len(status_at))
+            sync()
+
+        timeline.sync = syncing  # type: ignore[method-assign]
         status_at: list[int] = []
         write_status = agent.books.state.write_status
 
@@ -47,6 +59,7 @@ def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Pat
         decisions = [k for k in seen if k == "decision"]
         assert len(decisions) >= 3  # one per guard: the pass records them all
         assert status_at == [1], "the pass's records were not written once, before its status"
+        assert syncs == [1], "not one sync for the pass, after its status (at its end)"
         assert writes[0].count("decision") == len(decisions)
         written = [r["kind"] for r in timeline.records()]
         assert written[-len(writes[0]) :] == writes[0]

@@ -20,9 +20,9 @@ safety, and it is decided here and nowhere else:
    pass's decisions: each guard's, when any verdict or action changed or an
    event happened; an undone observe-mode action once, not per pass. The
    exporters see each record at once; the timeline gets the pass's records
-   in one write and one sync, before the status (and the rest at the pass's
-   end): a sync per record would put milliseconds of disk between the ready
-   flag and a held load.
+   in one write before the status (the rest at the pass's end), and one sync
+   at the pass's end, after the gate: a sync per record put milliseconds of
+   disk between the ready flag and a held load.
 6. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
    exporters that publish from the verdicts (labels, NPD), the status. A
    failure of memory or status means the pass vouches for no open gate.

@@ -81,25 +81,35 @@ class Bookkeeping:
         # A pass's records, written to the timeline together (one write, one sync) before
         # its status and at its end; None between passes: each record written at once.
         self._pending: list[dict[str, Any]] | None = None
+        self._unsynced = False  # appended this pass, not yet fdatasync'ed
 
     def begin_pass(self) -> None:
         self.problems, self.can_vouch = [], True
         self._pending = []
 
     def end_pass(self) -> None:
-        """The pass's last records to the timeline; records are written at once again."""
+        """The pass's last records to the timeline, and its one sync; records are written
+        (and synced) at once again."""
         self.flush()
         self._pending = None
+        if self._unsynced:
+            self._unsynced = False
+            try:
+                self.timeline.sync()
+            except (OSError, NodeagentError) as exc:
+                self.failed("timeline sync failed", exc, vouch=True)
 
     def flush(self) -> None:
-        """This pass's records so far, in one append (a disk sync is milliseconds: one per
-        pass, not one per record, on the way to the gate)."""
+        """This pass's records so far, in one append, synced at the pass's end: a disk sync
+        is milliseconds, and none stands between the ready flag and the gate. Readers see
+        the lines at once; only a power loss could take them, with /run's gate files."""
         pending = self._pending
         if not pending:
             return
         self._pending = []
         try:
-            self.timeline.append_many(pending)
+            self.timeline.append_many(pending, sync=False)
+            self._unsynced = True
         except (OSError, NodeagentError) as exc:
             self.failed("timeline write failed", exc, vouch=True)
 
