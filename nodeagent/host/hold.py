@@ -1,8 +1,10 @@
 """The responder: holds a module loader's open of ``nvidia-peermem.ko`` (and of an inbox RDMA
 module it would pull in) while the gate is closed; which opens: ``core/hold.py``.
 
-One thread of its own answers every fanotify permission event on the marked
-filesystems (``host/fanotify.py``, or any ``EventSource``):
+A ``Responder`` answers every fanotify permission event on the marked
+filesystems (``host/fanotify.py``, or any ``EventSource``): in the agent, in a
+process of its own (``host/responder_apart.py``, ``host/responder_main.py``: a
+stalled agent stalls no open); in the simulator, stepped; in tests, a thread.
 
 1. an event from the agent's own pid is allowed before anything else is done
    with it (the agent's own opens must never wait on itself);
@@ -14,7 +16,10 @@ filesystems (``host/fanotify.py``, or any ``EventSource``):
    budget runs out, or when the responder stops;
 4. anything it cannot identify (pid 0: the agent does not see the opener's pid
    namespace) is allowed: the hold never blocks what it cannot name;
-5. past a cap on held opens (``HELD_PER_CONTAINER`` per opener's mount namespace,
+5. the first open of a file it does not name, whose bytes could not be a module, is
+   filtered in the kernel from then on (``ignore``: an inode ignore mark added before
+   the open is allowed; ``host/fanotify.IgnoreMarks``);
+6. past a cap on held opens (``HELD_PER_CONTAINER`` per opener's mount namespace,
    ``HELD_TOTAL`` in all; each keeps a descriptor) an open is allowed at once.
 
 What is not a single open's report (a queue overflow, opens past a cap, an error it
