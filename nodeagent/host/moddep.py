@@ -16,6 +16,7 @@ unreadable file means "not found" (no directory scan). Symlinks below
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import threading
@@ -114,7 +115,20 @@ def _load(moddir: str | os.PathLike[str], opener: Opener | None = None) -> dict[
 
 
 def _inside(moddir: str, relpath: str) -> Path | None:
-    """``moddir/relpath`` if it stays inside moddir (lexically), else None."""
+    """``moddir/relpath`` if it stays inside moddir (lexically), else None. Pure for an
+    absolute ``moddir`` (no working directory in it): remembered, as every pass asks
+    again for the same modules."""
+    if os.path.isabs(moddir):
+        return _inside_absolute(moddir, relpath)
+    return _inside_uncached(moddir, relpath)
+
+
+@functools.lru_cache(maxsize=4096)
+def _inside_absolute(moddir: str, relpath: str) -> Path | None:
+    return _inside_uncached(moddir, relpath)
+
+
+def _inside_uncached(moddir: str, relpath: str) -> Path | None:
     base = PurePosixPath(os.path.normpath(os.path.abspath(moddir)))
     rel = PurePosixPath(relpath)
     if ".." in rel.parts:

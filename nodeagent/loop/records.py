@@ -82,10 +82,12 @@ class Bookkeeping:
         # its status and at its end; None between passes: each record written at once.
         self._pending: list[dict[str, Any]] | None = None
         self._unsynced = False  # appended this pass, not yet fdatasync'ed
+        self._saved_object: AgentMemory | None = None  # the memory this pass saved, as is
 
     def begin_pass(self) -> None:
         self.problems, self.can_vouch = [], True
         self._pending = []
+        self._saved_object = None
 
     def end_pass(self) -> None:
         """The pass's last records to the timeline, and its one sync; records are written
@@ -154,19 +156,23 @@ class Bookkeeping:
         return memory
 
     def save_memory(self, memory: AgentMemory) -> None:
+        if memory is self._saved_object and self._pending is not None:
+            return  # this pass saved this very memory already (write-ahead, then step 6)
         doc, refused = self.reconciler.memory_to_save(memory, self._saved_memory)
         for guard, problem in refused.items():
             log.error(problem)
             self.problems.append(problem)
             if guard in self.reconciler.gates:
                 self.can_vouch = False  # a gate's memory the next start would not have
-        if doc == self._saved_memory and self.state.memory_intact():
-            return
-        try:
-            self.state.save_memory(doc)
-            self._saved_memory = doc
-        except (OSError, NodeagentError) as exc:
-            self.failed("memory save failed", exc, vouch=False)
+        if doc != self._saved_memory or not self.state.memory_intact():
+            try:
+                self.state.save_memory(doc)
+                self._saved_memory = doc
+            except (OSError, NodeagentError) as exc:
+                self.failed("memory save failed", exc, vouch=False)
+                return
+        if not refused:  # (a refused part is refused again, and said, at step 6)
+            self._saved_object = memory
 
     def write_status(self, doc: Mapping[str, Any]) -> None:
         try:
