@@ -465,3 +465,39 @@ def test_once_ready_the_responder_opens_no_file_where_its_code_lives(tmp_path: P
             assert pid not in seen, f"the responder (pid {pid}) opened a file on {watched}"
         finally:
             os.close(fd)
+
+
+def test_a_responder_that_cannot_start_is_one_line_and_leaves_no_descriptor(
+    tmp_path: Path,
+) -> None:
+    from nodeagent.host.fanotify import FanotifyGroup
+    from nodeagent.host.hold import descriptor_budget, start_hold
+    from nodeagent.host.responder_apart import ResponderProcess
+
+    try:
+        group = FanotifyGroup()
+    except OSError as exc:
+        pytest.skip(f"fanotify permission group refused here: {exc}")
+    budget, _ = descriptor_budget()
+    before = len(os.listdir("/proc/self/fd"))
+
+    def apart(descriptors: Any) -> ResponderProcess:
+        p = ResponderProcess(group, budget_s=60.0, descriptors=descriptors, python="/nonexistent")
+        p.start()
+        return p
+
+    responder, marked, problems = start_hold(
+        group,
+        group.mark_filesystem,
+        [("here", str(tmp_path))],
+        gate_open=lambda: False,
+        budget_s=60.0,
+        host_pids=True,
+        budget=budget,
+        apart=apart,
+    )
+    assert responder is None and marked == []
+    (line,) = [p for p in problems if "not holding any load" in p]
+    assert line.startswith("peermem.hold_loads: ") and "/nonexistent" in line
+    assert group.fd == -1  # the group closed: nothing marked, nothing held
+    assert len(os.listdir("/proc/self/fd")) == before - 1  # the group's, and nothing else

@@ -181,6 +181,9 @@ class ResponderProcess:
                 env=env,
                 start_new_session=True,  # a terminal's Ctrl-C is the agent's to handle
             )
+        except OSError:
+            self._close_fds()  # (the lease, the eventfd, our pipe ends: nothing left open)
+            raise
         finally:
             os.close(life_r)
             os.close(out_w)
