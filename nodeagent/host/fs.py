@@ -336,13 +336,18 @@ class HostRoot:
                 if part == "..":
                     raise NodeagentError(f"path {rel!r} escapes the host root")
                 cur = cur / part
-                if create:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
+                flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
                 try:
-                    nxt = os.open(
-                        part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-                    )
+                    try:
+                        nxt = os.open(part, flags, dir_fd=fd)
+                    except FileNotFoundError:
+                        if not create:
+                            raise
+                        # Created only when missing (every pass opens the same ones: a
+                        # mkdir each time was a syscall and an exception per component).
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(part, 0o755, dir_fd=fd)
+                        nxt = os.open(part, flags, dir_fd=fd)
                 except (NotADirectoryError, OSError) as exc:
                     if isinstance(exc, FileNotFoundError):
                         raise
