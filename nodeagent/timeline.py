@@ -44,12 +44,8 @@ class Timeline:
         name = self.rel.rsplit("/", 1)[-1]
         dfd = self.host.open_dir(self.directory, create=True)
         try:
-            # Non-blocking and regular files only: a FIFO planted here must not hang a pass.
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
-            fd = os.open(name, flags | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            fd = self._open(dfd, name, os.O_CREAT)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise NotRegularFile(errno.EINVAL, f"{self.rel} is not a regular file")
                 os.write(fd, line)
                 size = os.fstat(fd).st_size
                 if sync or size > self.max_bytes:  # (a file rotated away is synced first)
@@ -66,18 +62,29 @@ class Timeline:
         name = self.rel.rsplit("/", 1)[-1]
         dfd = self.host.open_dir(self.directory, create=True)
         try:
-            flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             try:
-                fd = os.open(name, flags, dir_fd=dfd)
+                fd = self._open(dfd, name, 0)
             except FileNotFoundError:
                 return
             try:
-                if stat.S_ISREG(os.fstat(fd).st_mode):
-                    os.fdatasync(fd)
+                os.fdatasync(fd)
             finally:
                 os.close(fd)
         finally:
             os.close(dfd)
+
+    def _open(self, dfd: int, name: str, create: int) -> int:
+        """The timeline for appending: non-blocking and a regular file only (a FIFO planted
+        here must not hang a pass), never through a symlink."""
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(name, flags | create, 0o644, dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegularFile(errno.EINVAL, f"{self.rel} is not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _rotate(self, dfd: int, name: str) -> None:
         for i in range(self.keep - 1, 0, -1):

@@ -20,7 +20,6 @@ go) and the next pass starts a new group, process and marks, at most
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +82,10 @@ class PeermemHold(GuardSide):
             log.warning("%s", queue_problem)
             ctx.record({"kind": "state-problem", "problem": queue_problem})
         roots = [(r, str(ctx.host.path(r))) for r in pol.hold_roots]
+
+        def on_report() -> None:
+            ctx.wake("held open ended")  # a pipe write: safe from the responder's threads
+
         apart = None  # the responder in a process of its own: the kernel's group only
         if host.threaded and host.apart and isinstance(group, FanotifyGroup):
             from nodeagent.host.responder_apart import spawner
@@ -90,7 +93,7 @@ class PeermemHold(GuardSide):
             apart = spawner(
                 group,
                 budget_s=pol.hold_budget_s,
-                on_report=lambda: ctx.wake("held open ended"),
+                on_report=on_report,
                 proc=host.proc,
             )
         self.hold, self.marked, problems = start_hold(
@@ -101,7 +104,7 @@ class PeermemHold(GuardSide):
             budget_s=pol.hold_budget_s,
             host_pids=host.host_pids(),
             containers=bool(pol.hold_containers),
-            on_report=lambda: ctx.wake("held open ended"),  # a pipe write
+            on_report=on_report,
             host=host,
             apart=apart,
         )
@@ -212,8 +215,8 @@ class PeermemHold(GuardSide):
     def _follow(self, is_open: bool) -> None:
         """Tell the responder the gate: at a change, and while open at every pass and beat
         (the process apart reads a lease that runs out without them)."""
-        if self.hold is None or not (is_open or is_open != self.gate_open):
-            return
+        if self.hold is None or not (is_open or self.gate_open):
+            return  # closed, and it was: nothing to tell
         # Closing, the responder's lease first: whoever sees gate_open False finds it closed
         # (a load started then is held). Opening, the flag first: a thread responder reads it
         # when follow wakes it.
@@ -252,15 +255,11 @@ class PeermemHold(GuardSide):
     def _let_go(self, why: str) -> None:
         """Stop the scanner and the responder (every held open allowed, reported); each
         container root marked is said gone (the gauge follows), then the side holds none."""
-        if self.containers is not None:
-            self.containers.stop()
-            for r in self.containers.roots():
-                self.ctx.record(
-                    {"kind": "hold-root-gone", "pid": r.pid, "dev": r.dev_text(), "why": why}
-                )
-        if self.hold is not None:
-            self.hold.stop()
-            self._record_holds()
+        self.stop()
+        for r in self.containers.roots() if self.containers is not None else []:
+            self.ctx.record(
+                {"kind": "hold-root-gone", "pid": r.pid, "dev": r.dev_text(), "why": why}
+            )
         self.hold, self.containers, self.marked = None, None, []
 
     def _ignore_status(self) -> dict[str, Any] | None:
@@ -271,11 +270,10 @@ class PeermemHold(GuardSide):
         budget = self.hold.descriptors if self.hold is not None else None
         if budget is None:
             return None
+        from nodeagent.host.hold import open_descriptors
+
         out = budget.status()
-        try:
-            out["in_use"] = len(os.listdir("/proc/self/fd"))
-        except OSError:
-            out["in_use"] = -1
+        out["in_use"] = open_descriptors()
         responder_fds = getattr(self.hold, "descriptors_in_use", None)
         if responder_fds is not None:  # apart: held opens' descriptors are its own
             out["responder_in_use"] = responder_fds()

@@ -174,6 +174,14 @@ def descriptor_budget(
     return budget, problems
 
 
+def open_descriptors() -> int:
+    """How many descriptors this process has open now (-1: unreadable)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
 def is_loader(pid: int, proc: str = "/proc") -> tuple[bool, str]:
     """(a module loader?, its name) from ``exe`` and ``comm``: kmod's modprobe is a link
     to ``kmod`` whose ``comm`` says ``modprobe``; busybox's says ``busybox``."""

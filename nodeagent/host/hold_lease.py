@@ -40,7 +40,6 @@ class HoldLease:
 
     def __init__(self) -> None:
         self.fd = os.memfd_create("nodeagent-hold-gate", os.MFD_CLOEXEC)
-        self.is_open = False
         self.write(False)
 
     def fileno(self) -> int:
@@ -51,7 +50,6 @@ class HoldLease:
         until = boottime() + lease_s if is_open else 0.0
         flag = int(is_open)
         os.pwrite(self.fd, LEASE.pack(flag, until, _check(flag, until)), 0)
-        self.is_open = is_open
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

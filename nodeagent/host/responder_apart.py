@@ -151,13 +151,16 @@ class ResponderProcess:
         self._wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         life_r, self._life_w = os.pipe2(os.O_CLOEXEC)
         self._out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        passed = (self.group.fileno(), self._lease.fileno(), self._wake_fd, life_r, out_w)
-        spec: dict[str, object] = {
+        fds = {
             "group": self.group.fileno(),
             "lease": self._lease.fileno(),
             "wake": self._wake_fd,
             "life": life_r,
             "out": out_w,
+        }
+        passed = tuple(fds.values())  # the only descriptors it inherits
+        spec: dict[str, object] = {
+            **fds,
             "agent_pid": os.getpid(),
             "budget_s": self.budget_s,
             "held_total": descriptors.held_total,

@@ -32,7 +32,7 @@ from dataclasses import asdict
 from typing import Any
 
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
-from nodeagent.host.hold import Responder
+from nodeagent.host.hold import Responder, open_descriptors
 from nodeagent.host.hold_lease import read_lease
 
 OUTBOX_MAX = 4 << 20  # bytes of messages kept while the agent does not read (it is stalled)
@@ -91,11 +91,13 @@ class Outbox:
 class ApartResponder(Responder):
     """The responder of this process: after each round it sends what ended and its state."""
 
-    outbox: Outbox
-    marks: IgnoreMarks | None = None
-    _state_sent = 0.0
-    _state_key: tuple[Any, ...] = ()
-    _state_due = False
+    def __init__(self, *args: Any, outbox: Outbox, marks: IgnoreMarks, **kw: Any) -> None:
+        super().__init__(*args, ignore=marks.add, after_step=self.send, **kw)
+        self.outbox = outbox
+        self.marks = marks
+        self._state_sent = 0.0
+        self._state_sig: tuple[int, int, int] = (-1, -1, -1)  # what the last state said
+        self._state_due = False
 
     def _timeout_ms(self) -> int | None:
         timeout = super()._timeout_ms()
@@ -116,31 +118,23 @@ class ApartResponder(Responder):
         # Cheap first (this runs after every event): what may have changed, and when.
         sig = (sum(self.counts.values()), len(self._held), self.reported)
         now = time.monotonic()
-        if sig != self._state_key or now - self._state_sent >= HEARTBEAT_S:
+        if sig != self._state_sig or now - self._state_sent >= HEARTBEAT_S:
             self._state_due = True
         if self._state_due and now - self._state_sent >= STATE_EVERY_S:
             held = self.held()
-            marks = self.marks.status() if self.marks is not None else None
             state = {
                 "t": "state",
                 "counts": self.counts,
                 "held": [[p, o, f, round(s, 3)] for p, o, f, s in held],
                 "peak": self.peak_descriptors,
-                "fds": _fds_in_use(),
+                "fds": open_descriptors(),
                 "dropped": out.dropped,
-                "ignore": marks,
+                "ignore": self.marks.status(),
             }
             if out.put(state, limit=STATE_MAX):
-                self._state_key, self._state_sent, self._state_due = sig, now, False
+                self._state_sig, self._state_sent, self._state_due = sig, now, False
         if out.buf:
             out.flush()
-
-
-def _fds_in_use() -> int:
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
 
 
 def _drain_eventfd(fd: int) -> None:
@@ -167,7 +161,6 @@ def serve(spec: dict[str, Any]) -> int:
         if not data:
             responder._stopping = True
 
-    marks = IgnoreMarks(group, mode=str(spec.get("ignore", "auto")))
     responder = ApartResponder(
         group,
         gate_open=lambda: read_lease(lease_fd),
@@ -179,11 +172,9 @@ def serve(spec: dict[str, Any]) -> int:
         held_per_container=int(spec["held_per_container"]),
         held_total=int(spec["held_total"]),
         watch_fds={life_fd: agent_gone, wake_fd: lambda: _drain_eventfd(wake_fd)},
-        ignore=marks.add,
+        outbox=outbox,
+        marks=IgnoreMarks(group, mode=str(spec.get("ignore", "auto"))),
     )
-    responder.marks = marks
-    responder.outbox = outbox
-    responder.after_step = responder.send
     # Everything it will use once marks exist, used once now (imports, the lease, JSON).
     read_lease(lease_fd)
     responder.send()
