@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import shlex
 import shutil
 import statistics
@@ -42,6 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
@@ -91,16 +91,25 @@ def node_with_marked_driver_root(root: Path) -> Node:
     return stack_node(root, KVER)  # the GPU tree is installed into the tmpfs
 
 
-def wait_exit(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    """Until ``proc`` exits, woken by its pidfd the moment it does (``Popen.wait`` with a
-    timeout polls with growing sleeps: it would add milliseconds to what is timed)."""
+# The loader's starter and stopwatch, a process of its own: the loader's exit is seen by
+# a thread that does not share the agent's GIL (the bench's own thread would wait for the
+# loop to finish its pass's tail, and time that too). It starts a loader per line read,
+# says its pid, and says CLOCK_MONOTONIC (one clock for every process) when it exits.
+STOPWATCH = """
+import os, select, subprocess, sys, time
+loader, ko = sys.argv[1:3]
+for _ in sys.stdin:
+    proc = subprocess.Popen([loader, ko], stdout=subprocess.DEVNULL)
     fd = os.pidfd_open(proc.pid)
-    try:
-        if not select.select([fd], [], [], timeout)[0]:
-            raise SystemExit(f"bench: the loader did not exit within {timeout:g} s")
-    finally:
-        os.close(fd)
+    print(proc.pid, flush=True)
+    ok = select.select([fd], [], [], 20.0)[0]
+    gone = time.monotonic()
+    os.close(fd)
+    if not ok:
+        proc.kill()
     proc.wait()
+    print(gone if ok else -1.0, flush=True)
+"""
 
 
 def latency(root: Path, node: Node, trials: int) -> tuple[list[float], list[float]]:
@@ -120,6 +129,13 @@ def latency(root: Path, node: Node, trials: int) -> tuple[list[float], list[floa
     )
     agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
     thread = threading.Thread(target=agent.run, daemon=True)
+    stopwatch = subprocess.Popen(
+        [sys.executable, "-c", STOPWATCH, str(modprobe), str(ko)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert stopwatch.stdin is not None and stopwatch.stdout is not None
     thread.start()
     out: list[float] = []
     cpu: list[float] = []
@@ -132,20 +148,40 @@ def latency(root: Path, node: Node, trials: int) -> tuple[list[float], list[floa
         assert thread.ident is not None
         loop_cpu = time.pthread_getcpuclockid(thread.ident)
         for _ in range(trials):
-            proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.DEVNULL)
+            stopwatch.stdin.write("go\n")
+            stopwatch.stdin.flush()
+            stopwatch.stdout.readline()  # its pid: the loader is started
             wait(hold.held, "the loader held")
+            settled(agent)  # the pass its report woke is over: the loop idle, as on a node
             c0 = time.clock_gettime(loop_cpu)
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             node.write(READY)
-            wait_exit(proc)
-            out.append(time.perf_counter() - t0)
+            gone = float(stopwatch.stdout.readline())
+            if gone < 0:
+                raise SystemExit("bench: the loader did not exit within 20 s")
+            out.append(gone - t0)
             cpu.append(time.clock_gettime(loop_cpu) - c0)
             node.remove(READY)  # MOFED restarts: the gate closes again
             wait(lambda: not side.gate_open, "the gate closed again")
     finally:
+        stopwatch.stdin.close()
+        stopwatch.wait(30)
         agent.stop()
         thread.join(10)
     return out, cpu
+
+
+def settled(agent: Any, quiet_s: float = 0.05) -> None:
+    """Until the loop has waited for an event, with no pass started, for ``quiet_s``: the
+    flag then meets an idle loop, as MOFED's does on a node (seconds after the held load)."""
+    end = time.monotonic() + 20.0
+    while time.monotonic() < end:
+        count = agent.passes
+        if agent.waiting.wait(1.0) and not agent.stopping.is_set():
+            time.sleep(quiet_s)
+            if agent.waiting.is_set() and agent.passes == count:
+                return
+    raise SystemExit("bench: the loop never settled within 20 s")
 
 
 def _busy(stop: threading.Event) -> None:

@@ -125,7 +125,10 @@ MAX_LIST_ITEMS = 64
 
 def bounded(doc: Any, max_items: int = MAX_LIST_ITEMS) -> Any:
     """``doc`` with every list longer than ``max_items`` cut, saying how many were left out."""
-    if isinstance(doc, Mapping):
+    kind = type(doc)
+    if kind is str or kind is int or kind is float or kind is bool or doc is None:
+        return doc  # most of a record, and isinstance(Mapping) is an ABC check: not per leaf
+    if kind is dict or isinstance(doc, Mapping):
         return {k: bounded(v, max_items) for k, v in doc.items()}
     if isinstance(doc, list | tuple):
         items = [bounded(v, max_items) for v in doc[:max_items]]

@@ -70,3 +70,63 @@ def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Pat
     finally:
         agent.close()
         node.kernel.uevent_source.close()
+
+
+def test_the_gate_is_published_before_the_reports_and_taken_back_when_status_fails(
+    tmp_path: Path,
+) -> None:
+    """Rule 5 and 8 of loop/passes.py: an open gate waits for its observation, decision
+    and memory, not for records, status or the other plans; a status that cannot be
+    written takes the gate back before the pass ends."""
+    node = healthy_node(tmp_path)
+    agent = Agent(
+        Config(host_root=str(tmp_path), mode="enforce", uevents=False),
+        module_ops=node.kernel,
+        kernel_log=lambda m: [],
+    )
+    order: list[str] = []
+    try:
+        publish = agent.gates.publish
+
+        def publishing(gates: Any, *a: Any) -> Any:
+            out = publish(gates, *a)
+            order.append(f"gate {','.join(out)}")
+            return out
+
+        agent.gates.publish = publishing  # type: ignore[method-assign]
+        for name, obj, attr in (
+            ("memory", agent.books.state, "save_memory"),
+            ("status", agent.books.state, "write_status"),
+            ("timeline", agent.books.timeline, "append_many"),
+            ("plans", agent.workers, "submit"),
+        ):
+            real = getattr(obj, attr)
+
+            def noting(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+                order.append(f"urgent {_name}" if kw.get("only_urgent") else _name)
+                return _real(*a, **kw)
+
+            setattr(obj, attr, noting)
+        result = agent.run_pass(["start"])
+        assert result.verdicts["peermem"].ok, result.verdicts["peermem"].reasons
+        gate = order.index("gate peermem")
+        # Only the protective (urgent) plans and the write-ahead come before the gate.
+        assert order[:gate] == ["urgent plans", "memory"], order
+        for later in ("plans", "timeline", "status"):
+            assert order.index(later) > gate, order
+        assert (tmp_path / "run/nodeagent/peermem.gate").exists()
+
+        # status.json a directory: the pass publishes, then takes the gate back.
+        status = tmp_path / "run/nodeagent/status.json"
+        status.unlink()
+        status.mkdir()
+        node.write("run/mellanox/drivers/.driver-ready")  # an event: a new decision
+        order.clear()
+        agent.run_pass(["property"])
+        assert "gate peermem" in order, order
+        assert not (tmp_path / "run/nodeagent/peermem.gate").exists()
+        assert agent.gates.published == []
+        assert any("status write failed" in p for p in agent.books.problems)
+    finally:
+        agent.close()
+        node.kernel.uevent_source.close()

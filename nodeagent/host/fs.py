@@ -166,6 +166,10 @@ class HostRoot:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._root_fd: int | None = None
+        # rel_of's shortcut: a plain spelling under an absolute, normal root needs no relpath.
+        text = str(self.root)
+        normal = self.root.is_absolute() and os.path.normpath(text) == text
+        self._prefix = (text.rstrip("/") + "/") if normal else None
 
     @property
     def root_fd(self) -> int:
@@ -201,6 +205,10 @@ class HostRoot:
 
     def rel_of(self, path: str | os.PathLike[str]) -> str:
         """The root-relative spelling of a path under ``self.root``."""
+        text = os.fspath(path)
+        prefix = self._prefix
+        if prefix and text.startswith(prefix) and "/." not in text and "//" not in text:
+            return text[len(prefix) :]  # nothing to normalize ('..', '.', '//'): as relpath
         return os.path.relpath(os.path.abspath(path), os.path.abspath(self.root))
 
     # -- opening ------------------------------------------------------------

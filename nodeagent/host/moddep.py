@@ -80,11 +80,23 @@ def _open_plain(path: str) -> int:
     return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
-def _load(moddir: str | os.PathLike[str], opener: Opener | None = None) -> dict[str, _Entry] | None:
+# What one reader (a pass's observation) already loaded, by moddir: it reads modules.dep
+# once, not once per module it looks up (each an open, a stat and a cache lookup).
+Memo = dict[str, "dict[str, _Entry] | None"]
+
+
+def _load(
+    moddir: str | os.PathLike[str], opener: Opener | None = None, memo: Memo | None = None
+) -> dict[str, _Entry] | None:
     """The parsed ``modules.dep``; None when missing, unreadable, not a file or over the cap.
 
     ``opener`` opens the file (the agent's resolves it inside the host root).
     """
+    if memo is not None:
+        where = os.fspath(moddir)
+        if where not in memo:
+            memo[where] = _load(moddir, opener)
+        return memo[where]
     depfile = os.path.join(os.fspath(moddir), "modules.dep")
     try:
         fd = (opener or _open_plain)(depfile)
@@ -152,14 +164,17 @@ def _inside_uncached(moddir: str, relpath: str) -> Path | None:
 
 
 def find_module(
-    moddir: str | os.PathLike[str], name: str, opener: Opener | None = None
+    moddir: str | os.PathLike[str],
+    name: str,
+    opener: Opener | None = None,
+    memo: Memo | None = None,
 ) -> Path | None:
     """The file ``modules.dep`` names for ``name``, or None.
 
     None when ``modules.dep`` is missing or unreadable, the module is not
     listed, or its path escapes ``moddir``. The module file itself is not opened.
     """
-    entries = _load(moddir, opener)
+    entries = _load(moddir, opener, memo)
     if entries is None:
         return None
     entry = entries.get(normalize_module_name(name))
@@ -169,14 +184,17 @@ def find_module(
 
 
 def module_dependencies(
-    moddir: str | os.PathLike[str], name: str, opener: Opener | None = None
+    moddir: str | os.PathLike[str],
+    name: str,
+    opener: Opener | None = None,
+    memo: Memo | None = None,
 ) -> tuple[str, ...]:
     """Names of the modules ``name`` depends on, as listed in ``modules.dep``.
 
     In modules.dep order (modprobe loads them last to first). ``()`` when the
     module has none or is not listed (use ``find_module`` to tell these apart).
     """
-    entries = _load(moddir, opener)
+    entries = _load(moddir, opener, memo)
     if entries is None:
         return ()
     entry = entries.get(normalize_module_name(name))

@@ -39,7 +39,7 @@ from nodeagent.core.snapshot import (
 )
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.moddep import find_module, module_dependencies
+from nodeagent.host.moddep import Memo, find_module, module_dependencies
 from nodeagent.host.modfile import (
     ModuleFile,
     ModuleFileError,
@@ -119,6 +119,7 @@ class Observer:
         # identity key -> (parse result, the descriptor it was read from)
         self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
         self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
+        self._deps: Memo | None = None  # during observe(): each modules.dep read once
 
     # -- loaded modules -----------------------------------------------------
 
@@ -211,7 +212,7 @@ class Observer:
         """The file modules.dep names for ``name`` in the first driver tree that lists it."""
         dirs = [tree_moddir(t, kernel) for t in trees]
         for rel_dir in dirs:
-            found = find_module(self.host.path(rel_dir), name, self._open_in_root)
+            found = find_module(self.host.path(rel_dir), name, self._open_in_root, self._deps)
             if found is None:
                 continue
             rel = self.host.rel_of(found)
@@ -302,6 +303,13 @@ class Observer:
             return TextFact(rel, None, f"unreadable: {exc.strerror}")
 
     def observe(self, now: float) -> NodeSnapshot:
+        self._deps = {}
+        try:
+            return self._observe(now)
+        finally:
+            self._deps = None
+
+    def _observe(self, now: float) -> NodeSnapshot:
         needs = self.needs
         kernel, problems = self.read_kernel()
         disk = self._read_disk(needs.disk, kernel)
@@ -425,7 +433,7 @@ class Observer:
             problems.append(f"module chain larger than {_CHAIN_LIMIT} modules; truncated")
         for name in sorted(up):
             for d in dirs:
-                for dep in module_dependencies(d, name, self._open_in_root):
+                for dep in module_dependencies(d, name, self._open_in_root, self._deps):
                     read(dep)
 
 

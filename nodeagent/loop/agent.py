@@ -65,6 +65,9 @@ class Agent:
         # that pass's decision stale (run() fills it: inotify, uevents, the extra sources).
         self.watched = watched
         self.stopping = threading.Event()
+        # Set while the loop waits for an event (no pass, no beat running): for benches and
+        # tests that need "the loop idle" before they act.
+        self.waiting = threading.Event()
         # The pass's collaborators, named here for the run loop, tests and tools.
         self.clock = passes.clock
         self.reconciler = passes.reconciler
@@ -186,7 +189,11 @@ class Agent:
                     or any(side.needs_beat() for side in self.sides.values())
                 )
                 deadline, wait = schedule.next_wake(now, beat)
-                woken_by = waker.wait(wait)
+                self.waiting.set()
+                try:
+                    woken_by = waker.wait(wait)
+                finally:
+                    self.waiting.clear()
                 now = self.clock()
                 if woken_by or self.stopping.is_set() or now >= deadline:
                     break

@@ -5,7 +5,7 @@ safety, and it is decided here and nowhere else:
 
 1. **Outcomes first.** What the workers finished since the last pass reaches
    guard memory before anything is observed; it is kept even if this pass
-   fails further on, and recorded after the protective steps (rule 5).
+   fails further on, and recorded after the protective steps (rule 6).
 2. **Observe, then decide**, once: the whole node as the guards declared it,
    every guard from the same snapshot.
 3. **Protective first.** A closed gate's file is withdrawn, each guard's host
@@ -14,26 +14,35 @@ safety, and it is decided here and nowhere else:
    (``host/gatefile.py``: the order).
 4. **Write-ahead.** What the pass learned (e.g. "a MOFED restart was seen,
    that flag is stale") is on disk before any other plan starts, so dying
-   mid-action loses nothing. Then the other plans go to the workers, never
-   joined (observe mode: they are recorded as not performed).
-5. **Record** what the workers did, in the order it happened, then this
+   mid-action loses nothing.
+5. **Publish as soon as the decision is durable**: a fresh observation, the
+   decision and its memory on disk are what make an open gate safe; records,
+   labels and status are reports of it and come after (each stood between
+   MOFED's ready flag and a held load: issue 39). A gate file says "a recent
+   pass decided open, and its memory is on disk". An event since the
+   observation makes the decision stale: it vouches for nothing (an open file
+   of an earlier pass goes too), and the next pass, at once since the event
+   is pending, decides again. Freshness is asked again between the gate
+   file's fsync and its rename. **What follows the gate follows the published
+   gate**: each host side's ``after_publish`` (the hold lets a held load go
+   only when ``wait`` would). Then the other plans go to the workers, never
+   joined (observe mode: they are recorded as not performed); started sooner,
+   a worker's Python would compete with the publication for the GIL.
+6. **Record** what the workers did, in the order it happened, then this
    pass's decisions: each guard's, when any verdict or action changed or an
    event happened; an undone observe-mode action once, not per pass. The
    exporters see each record at once; the timeline gets the pass's records
    in one write before the status (the rest at the pass's end), and one sync
-   at the pass's end, after the gate: a sync per record put milliseconds of
-   disk between the ready flag and a held load.
-6. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
-   exporters that publish from the verdicts (labels, NPD), the status. A
-   failure of memory or status means the pass vouches for no open gate.
-7. **Publish last**, and only from a pass whose bookkeeping held: a gate file
-   says "a recent, completed pass decided open". An event since the
-   observation makes the decision stale: it vouches for nothing (an open file
-   of an earlier pass goes too), and the next pass, at once since the event
-   is pending, decides again. Freshness is asked again between the gate
-   file's fsync and its rename.
-8. **What follows the gate follows the published gate**: each host side's
-   ``after_publish`` (the hold lets a held load go only when ``wait`` would).
+   at the pass's end: a sync per record put milliseconds of disk between the
+   ready flag and a held load.
+7. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
+   exporters that publish from the verdicts (labels, NPD), the status.
+8. **A pass whose bookkeeping failed takes its gates back** before it ends: a
+   failure of memory or status withdraws what step 5 published and the sides
+   follow (the hold closes). Without its memory a restarted agent could take
+   a stale ready flag for a fresh one; without status the operator cannot
+   see why a gate is open. A held load let go in between was let go on a
+   sound, durable decision.
 9. **Fail closed.** A pass that raises vouches for no gate: every gate file
    is withdrawn (``Passes.run``).
 
@@ -161,12 +170,24 @@ class Passes:
         memory = rec.memory
         books.save_memory(memory)
         planned: list[ActionOutcome] = []
-        if self.enforce:
-            self.workers.submit(rec.plans, decided_at=now)  # to the workers: never joined
-        else:
+        if not self.enforce:
             planned = [ActionOutcome(action=a, ok=True, performed=False) for a in rec.actions]
             memory = self.reconciler.absorb(memory, planned, self.clock())
-        # 5. Record: what the workers did, then this pass's decisions.
+
+        # 5. Publish: the decision is durable; reports do not stand before the gate.
+        def fresh() -> bool:
+            return self.gates.fresh(snap)
+
+        def vouches() -> bool:
+            return books.can_vouch and fresh()
+
+        open_gates = [g for g in self.reconciler.gates if rec.verdicts[g].ok]
+        published = self.gates.settle(snap, open_gates, books.can_vouch, fresh)
+        # What follows the gate follows the published gate.
+        self._follow_gates(rec.verdicts, published, vouches)
+        if self.enforce:  # the other plans: a worker thread's Python would slow the above
+            self.workers.submit(rec.plans, decided_at=now)  # to the workers: never joined
+        # 6. Record: what the workers did, then this pass's decisions.
         books.record_finished(finished)
         signature = (
             tuple((g, v.verdict, v.reasons) for g, v in rec.verdicts.items()),
@@ -196,7 +217,7 @@ class Passes:
             for o in planned:
                 books.record(action_record(o))
         outcomes += planned
-        # 6. Bookkeeping.
+        # 7. Bookkeeping.
         self.memory = memory
         books.save_memory(memory)
         for side in self.sides.values():
@@ -205,22 +226,11 @@ class Passes:
             books.problem(problem)
         books.flush()  # the pass's records so far, in one write, before its status
         books.write_status(self.status(snap, rec.verdicts, outcomes))
-
-        # 7. Publish last.
-        def fresh() -> bool:
-            return self.gates.fresh(snap)
-
-        published = self.gates.settle(
-            snap, [g for g in self.reconciler.gates if rec.verdicts[g].ok], books.can_vouch, fresh
-        )
-
-        # 8. What follows the gate follows the published gate.
-        def vouches() -> bool:
-            return books.can_vouch and fresh()
-
-        for name, side in self.sides.items():
-            if name in rec.verdicts:
-                side.after_publish(rec.verdicts[name], name in published, vouches)
+        # 8. A pass whose bookkeeping failed takes back the gates it published.
+        if published and not books.can_vouch:
+            books.problems += self.gates.withdraw(published)
+            self.gates.published = []
+            self._follow_gates(rec.verdicts, [], vouches)
         with self._done:
             self.count += 1
             self._done.notify_all()
@@ -232,6 +242,13 @@ class Passes:
             woken_by=tuple(woken_by),
             started=now,
         )
+
+    def _follow_gates(
+        self, verdicts: Mapping[str, Verdict], published: Sequence[str], vouches: Callable[[], bool]
+    ) -> None:
+        for name, side in self.sides.items():
+            if name in verdicts:
+                side.after_publish(verdicts[name], name in published, vouches)
 
     def status(
         self,
