@@ -91,24 +91,31 @@ def node_with_marked_driver_root(root: Path) -> Node:
     return stack_node(root, KVER)  # the GPU tree is installed into the tmpfs
 
 
-# The loader's starter and stopwatch, a process of its own: the loader's exit is seen by
-# a thread that does not share the agent's GIL (the bench's own thread would wait for the
-# loop to finish its pass's tail, and time that too). It starts a loader per line read,
-# says its pid, and says CLOCK_MONOTONIC (one clock for every process) when it exits.
+# MOFED's container and the GPU driver's, as a process of their own: the loader is
+# started and its exit seen, and the ready flag created as ``touch`` does (open O_CREAT,
+# then utimensat, then close: three inotify events, the loop woken by the first), by a
+# process that does not share the agent's GIL (the bench's thread would see the exit only
+# when the loop's pass let go of the interpreter, and time that too). Its times are
+# CLOCK_MONOTONIC: one clock for every process.
 STOPWATCH = """
 import os, select, subprocess, sys, time
-loader, ko = sys.argv[1:3]
+loader, ko, flag = sys.argv[1:4]
 for _ in sys.stdin:
     proc = subprocess.Popen([loader, ko], stdout=subprocess.DEVNULL)
     fd = os.pidfd_open(proc.pid)
     print(proc.pid, flush=True)
+    sys.stdin.readline()  # held, and the loop idle: touch the flag
+    t0 = time.monotonic()
+    ffd = os.open(flag, os.O_WRONLY | os.O_CREAT | os.O_NOCTTY | os.O_NONBLOCK, 0o644)
+    os.utime(ffd)
+    os.close(ffd)
     ok = select.select([fd], [], [], 20.0)[0]
     gone = time.monotonic()
     os.close(fd)
     if not ok:
         proc.kill()
     proc.wait()
-    print(gone if ok else -1.0, flush=True)
+    print(gone - t0 if ok else -1.0, flush=True)
 """
 
 
@@ -130,7 +137,7 @@ def latency(root: Path, node: Node, trials: int) -> tuple[list[float], list[floa
     agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
     thread = threading.Thread(target=agent.run, daemon=True)
     stopwatch = subprocess.Popen(
-        [sys.executable, "-c", STOPWATCH, str(modprobe), str(ko)],
+        [sys.executable, "-c", STOPWATCH, str(modprobe), str(ko), str(root / READY)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -154,12 +161,12 @@ def latency(root: Path, node: Node, trials: int) -> tuple[list[float], list[floa
             wait(hold.held, "the loader held")
             settled(agent)  # the pass its report woke is over: the loop idle, as on a node
             c0 = time.clock_gettime(loop_cpu)
-            t0 = time.monotonic()
-            node.write(READY)
-            gone = float(stopwatch.stdout.readline())
-            if gone < 0:
+            stopwatch.stdin.write("touch\n")
+            stopwatch.stdin.flush()
+            took = float(stopwatch.stdout.readline())
+            if took < 0:
                 raise SystemExit("bench: the loader did not exit within 20 s")
-            out.append(gone - t0)
+            out.append(took)
             cpu.append(time.clock_gettime(loop_cpu) - c0)
             node.remove(READY)  # MOFED restarts: the gate closes again
             wait(lambda: not side.gate_open, "the gate closed again")

@@ -163,3 +163,80 @@ def test_kernel_uevents_for_net_devices_reach_the_source() -> None:
             ipr.link("del", ifname=name)
     seen = wait_for(waker, lambda s: any(f"remove net {name}" in x for x in s))
     assert any(f"uevent remove net {name}" == x for x in seen), seen
+
+
+def test_explained_events_wake_but_leave_a_decision_fresh(tmp_path: Path) -> None:
+    """``explained`` events (a marker's own, a writer's temp file beside it) are held as
+    wake-ups but ``has_pending`` does not count them; any other relevant event counts,
+    and so does a directory created on the way to a target."""
+    markers = tmp_path / "run/mellanox/drivers"
+    listing = tmp_path / "run/nvidia/validations"
+    markers.mkdir(parents=True)
+    listing.mkdir(parents=True)
+    missing = markers / "sub"  # a target that does not exist yet, inside the markers' dir
+
+    def explained(p: Path) -> bool:
+        return p.parent == markers and p != missing
+
+    watch = FileWatch(tmp_path, [markers, listing, missing], explained)
+    try:
+        watch.drain()
+        fd = os.open(markers / ".driver-ready", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.utime(fd)
+        os.close(fd)  # touch: created, attrib, closed
+        (markers / ".tmp.new").write_text("x")
+        os.replace(markers / ".tmp.new", markers / "other")
+        deadline = time.monotonic() + WAIT
+        while not watch.holds and time.monotonic() < deadline:
+            watch.has_pending()
+        assert watch.holds, "the events were not read"
+        assert not watch.has_pending(), "explained events made the decision stale"
+        assert pending([watch]) is False
+        reasons = watch.drain()
+        assert any(".driver-ready" in r for r in reasons), reasons  # still a wake-up
+        (listing / ".driver-ctr-ready").write_text("")
+        deadline = time.monotonic() + WAIT
+        while not watch.has_pending() and time.monotonic() < deadline:
+            pass
+        assert watch.has_pending(), "a listed directory's change did not count"
+        watch.drain()
+        missing.mkdir()  # on the way to a watched target: its contents are not seen yet
+        deadline = time.monotonic() + WAIT
+        while not watch.has_pending() and time.monotonic() < deadline:
+            pass
+        assert watch.has_pending(), "a target directory created did not count"
+        assert watch.drain() != []
+    finally:
+        watch.close()
+
+
+def test_the_agent_explains_only_events_in_directories_of_markers(tmp_path: Path) -> None:
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config
+
+    from .healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    agent = Agent(
+        Config(host_root=str(tmp_path), mode="enforce", uevents=False),
+        module_ops=node.kernel,
+        kernel_log=lambda m: [],
+    )
+    try:
+        explained = agent._explained_events()
+        needs = agent.observer.needs
+        ready = agent.host.path("run/mellanox/drivers/.driver-ready")
+        assert "run/mellanox/drivers/.driver-ready" in needs.files
+        assert explained(ready)  # its identity is compared again before the gate
+        assert explained(ready.with_name("..driver-ready.new"))  # a writer's temp file
+        for listed in needs.listings:
+            assert not explained(agent.host.path(listed) / "anything"), listed
+        for d in needs.watch:
+            assert not explained(agent.host.path(d) / "anything"), d
+        # A directory watched because it is a target, created inside a markers' directory.
+        for target in (*needs.listings, *needs.watch):
+            p = agent.host.path(target)
+            assert not explained(p), target
+    finally:
+        agent.close()
+        node.kernel.uevent_source.close()

@@ -25,7 +25,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,11 @@ class HostRoot:
         """``rel`` as a path under the root, for naming and for watches (not for opening)."""
         return self.root / self._inside(rel)
 
+    def path_text(self, rel: str) -> str:
+        """``path`` as a string, without pathlib's parsing (a pass asks for it per module)."""
+        root = self._prefix or f"{self.root}/"
+        return root + self._inside(rel)
+
     def rel_of(self, path: str | os.PathLike[str]) -> str:
         """The root-relative spelling of a path under ``self.root``."""
         text = os.fspath(path)
@@ -270,13 +275,35 @@ class HostRoot:
         ``odd_is_present`` (a marker whose presence means "stop"), with a problem
         naming what it is either way.
         """
-        parent, _, name = rel.strip("/").rpartition("/")
-        try:
-            dfd = self.open(parent or ".", os.O_PATH | os.O_DIRECTORY, follow=True)
-        except FileNotFoundError:
-            return FileFact(path=rel, present=False)
-        except OSError as exc:
-            return self._odd(rel, f"cannot open its directory: {exc.strerror}", odd_is_present)
+        return self.file_facts([rel], odd=(rel,) if odd_is_present else ())[rel]
+
+    def file_facts(self, rels: Iterable[str], *, odd: Collection[str] = ()) -> dict[str, FileFact]:
+        """``file_fact`` of each of ``rels`` (``odd``: those whose odd form counts as present);
+        each directory opened once for the files in it (a pass asks again before its gate)."""
+        rels = list(rels)
+        by_parent: dict[str, list[tuple[str, str]]] = {}
+        for rel in rels:
+            parent, _, name = rel.strip("/").rpartition("/")
+            by_parent.setdefault(parent, []).append((rel, name))
+        facts: dict[str, FileFact] = {}
+        for parent, files in by_parent.items():
+            try:
+                dfd = self.open(parent or ".", os.O_PATH | os.O_DIRECTORY, follow=True)
+            except FileNotFoundError:
+                facts.update((rel, FileFact(path=rel, present=False)) for rel, _ in files)
+                continue
+            except OSError as exc:
+                why = f"cannot open its directory: {exc.strerror}"
+                facts.update((rel, self._odd(rel, why, rel in odd)) for rel, _ in files)
+                continue
+            try:
+                for rel, name in files:
+                    facts[rel] = self._fact_at(dfd, rel, name, rel in odd)
+            finally:
+                os.close(dfd)
+        return {rel: facts[rel] for rel in rels}  # in the order asked
+
+    def _fact_at(self, dfd: int, rel: str, name: str, odd_is_present: bool) -> FileFact:
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             target = os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else ""
@@ -284,8 +311,6 @@ class HostRoot:
             return FileFact(path=rel, present=False)
         except OSError as exc:
             return self._odd(rel, f"cannot stat: {exc.strerror}", odd_is_present)
-        finally:
-            os.close(dfd)
         if stat.S_ISLNK(st.st_mode):
             return self._odd(rel, f"is a symlink to {target!r}, not a file", odd_is_present)
         if not stat.S_ISREG(st.st_mode):

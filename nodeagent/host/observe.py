@@ -120,6 +120,9 @@ class Observer:
         self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
         self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
         self._deps: Memo | None = None  # during observe(): each modules.dep read once
+        # (id of a cached parse, path, name) -> (that parse, its DiskModule); cleared with
+        # the parse cache (the parse is kept in the entry: its id is not reused meanwhile).
+        self._disk_made: dict[tuple[int, str, str], tuple[ModuleFile, DiskModule]] = {}
 
     # -- loaded modules -----------------------------------------------------
 
@@ -212,14 +215,21 @@ class Observer:
         """The file modules.dep names for ``name`` in the first driver tree that lists it."""
         dirs = [tree_moddir(t, kernel) for t in trees]
         for rel_dir in dirs:
-            found = find_module(self.host.path(rel_dir), name, self._open_in_root, self._deps)
+            moddir = self.host.path_text(rel_dir)
+            found = find_module(moddir, name, self._open_in_root, self._deps)
             if found is None:
                 continue
             rel = self.host.rel_of(found)
             parsed = self._parse_ko(rel)
             if isinstance(parsed, str):
                 return DiskModule(name=name, path=rel, problem=parsed)
-            return disk_module(parsed, rel, name)
+            # The same parse gives the same DiskModule: kept with it, not rebuilt per pass
+            # (its CRC tables are copied into read-only mappings: thousands on a real node).
+            made = self._disk_made.get((id(parsed), rel, name))
+            if made is None or made[0] is not parsed:
+                made = (parsed, disk_module(parsed, rel, name))
+                self._disk_made[(id(parsed), rel, name)] = made
+            return made[1]
         return DiskModule(
             name=name, path=None, problem=f"not in modules.dep under {' or '.join(dirs)}"
         )
@@ -259,6 +269,7 @@ class Observer:
                 os.close(fd)
         self._ko_cache.clear()
         self._verified.clear()
+        self._disk_made.clear()
 
     def verified_fd(self, rel: str) -> int | None:
         """The open descriptor of the .ko this observer last read and parsed at ``rel``.
@@ -333,12 +344,9 @@ class Observer:
             kernel=kernel,
             modules=MappingProxyType(dict(sorted(modules.items()))),
             disk=MappingProxyType(disk),
+            # A marker whose presence means "stop" counts as present in an odd form.
             files=MappingProxyType(
-                {
-                    # A marker whose presence means "stop" counts as present in an odd form.
-                    f: self.host.file_fact(f, odd_is_present=f in needs.present_if_odd)
-                    for f in sorted(needs.files)
-                }
+                self.host.file_facts(sorted(needs.files), odd=needs.present_if_odd)
             ),
             listings=MappingProxyType(
                 {d: tuple(self.host.listing(d, problems)) for d in sorted(needs.listings)}
@@ -359,12 +367,11 @@ class Observer:
         Checked right before a gate is published, so a ready flag removed after
         the observation is caught even before its inotify event reaches the loop.
         """
-        odd = self.needs.present_if_odd
-        for rel, seen in snap.files.items():
-            now = self.host.file_fact(rel, odd_is_present=rel in odd)
-            if (now.present, now.ident) != (seen.present, seen.ident):
-                return False
-        return True
+        now = self.host.file_facts(snap.files, odd=self.needs.present_if_odd)
+        return all(
+            (now[rel].present, now[rel].ident) == (seen.present, seen.ident)
+            for rel, seen in snap.files.items()
+        )
 
     @staticmethod
     def _run(field: str, reader: Reader, unread: dict[str, tuple[str, ...]]) -> tuple[Any, ...]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from nodeagent.config import Config
@@ -150,7 +151,9 @@ class Agent:
             self.run_once()
             return
         root = self.host.root
-        watch = FileWatch(root, [self.host.path(d) for d in self.watched_dirs()])
+        watch = FileWatch(
+            root, [self.host.path(d) for d in self.watched_dirs()], self._explained_events()
+        )
         sources: list[WakeSource] = [self.poke, watch, *self.extra_sources]
         if self.cfg.uevents:
             try:
@@ -166,6 +169,24 @@ class Agent:
             self._loop(waker, watch)
         finally:
             self._stop(watch)
+
+    def _explained_events(self) -> Callable[[Path], bool]:
+        """An event a pass need not take as a change since its observation: in a directory
+        watched only for marker files (no listing, no declared watch, no text read there),
+        either on a marker (whose identity the freshness check compares again) or on a
+        name nobody reads (a writer's temp file)."""
+        needs = self.observer.needs
+        parents = {self.host.path(f).parent for f in needs.files}
+        read_whole = {self.host.path(d) for d in (*needs.listings, *needs.watch)}
+        texts = {self.host.path(t) for t in needs.texts}
+        markers_only = frozenset(parents - read_whole - {t.parent for t in texts})
+        # A directory on the way to a watched one (created now, its contents unseen) is not.
+        on_the_way = frozenset(a for d in read_whole | parents for a in (d, *d.parents))
+
+        def explained(path: Path) -> bool:
+            return path.parent in markers_only and path not in on_the_way
+
+        return explained
 
     def _loop(self, waker: Waker, watch: FileWatch) -> None:
         woken_by = ["start"]
