@@ -53,6 +53,9 @@ from nodeagent.host.responder_apart import spawner
 from nodeagent.sim.node import READY, Node
 from nodeagent.sim.scenarios import stack_node
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gate_latency import DEP_LINES, filler_dep, sysfs_module  # the bench beside
+
 KVER = "6.1.0-bench"
 OPENER = """
 import os, sys, time
@@ -88,7 +91,33 @@ def node_with_marked_driver_root(root: Path) -> Node:
     driver = run / "nvidia/driver"
     driver.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "nodeagent-bench", str(driver)], check=True)
-    return stack_node(root, KVER)  # the GPU tree is installed into the tmpfs
+    node = stack_node(root, KVER)  # the GPU tree is installed into the tmpfs
+    pad_to_real_size(root, node)
+    return node
+
+
+REAL_LOADED = 250  # modules loaded on a GPU node (lsmod | wc -l, give or take)
+
+
+def pad_to_real_size(root: Path, node: Node) -> tuple[int, int]:
+    """A real node's size: ``REAL_LOADED`` modules in sysfs (fillers, every fourth held by
+    the next, as bench/gate_latency.py builds them) and ``DEP_LINES`` more lines in each
+    tree's modules.dep (host, MOFED's, the GPU driver's); (loaded, lines of the largest)."""
+    sys_module = root / "sys/module"
+    have = len(list(sys_module.iterdir())) if sys_module.is_dir() else 0
+    fillers = max(0, REAL_LOADED - have)
+    for i in range(fillers):
+        holders = (f"host_mod{i + 1}",) if i % 4 == 0 and i + 1 < fillers else ()
+        sysfs_module(root, f"host_mod{i}", f"{i:023X}", holders)
+    longest = 0
+    for tree in ("host", "mofed", "gpu"):
+        dep = Path(getattr(node, f"{tree}_moddir")) / "modules.dep"
+        old = dep.read_text() if dep.is_file() else ""
+        lines = [*old.splitlines(), *filler_dep(f"pad{tree}", DEP_LINES)]
+        dep.parent.mkdir(parents=True, exist_ok=True)
+        dep.write_text("\n".join(lines) + "\n")
+        longest = max(longest, len(lines))
+    return have + fillers, longest
 
 
 # MOFED's container and the GPU driver's, as a process of their own: the loader is
@@ -337,6 +366,11 @@ def main() -> int:
     root = top / "root"
     root.mkdir()
     node = node_with_marked_driver_root(root)
+    dep_lines = len((Path(node.gpu_moddir) / "modules.dep").read_text().splitlines())
+    print(
+        f"# node: {len(list((root / 'sys/module').iterdir()))} modules loaded, modules.dep "
+        f"of {dep_lines} lines in each tree (host, MOFED's, the GPU driver's)"
+    )
     try:
         if args.only in (None, "latency"):
             lat, cpu = latency(root, node, args.trials)

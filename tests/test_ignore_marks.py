@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.core.hold import could_be_module
-from nodeagent.host.fanotify import FanotifyGroup
+from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
 from nodeagent.host.hold import descriptor_budget, sees_host_pids, start_hold
 from nodeagent.host.responder_apart import ResponderProcess, spawner
 
@@ -247,3 +247,14 @@ def test_the_group_can_be_made_to_fall_back_and_says_so(hold: Hold) -> None:
     assert status is not None and status["mode"] in ("evictable", "pinned")
     if status["mode"] == "pinned":
         assert status["pinned_max"] > 0
+
+
+def test_an_unknown_ignore_mode_is_refused_in_one_line() -> None:
+    """A mode the responder does not know is a programming or configuration error, said
+    at construction (before, it was taken as a mode and its marks failed one by one)."""
+
+    class NoGroup:  # never reached: the mode is checked first
+        pass
+
+    with pytest.raises(ValueError, match=r"mode 'evictible' is not one of auto, evictable"):
+        IgnoreMarks(NoGroup(), mode="evictible")  # type: ignore[arg-type]

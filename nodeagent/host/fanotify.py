@@ -302,6 +302,9 @@ class FanotifyGroup:
 PINNED_MAX = 16384
 
 
+IGNORE_MODES = ("auto", "evictable", "pinned", "off")
+
+
 class IgnoreMarks:
     """Opens of files that cannot be a target, filtered in the kernel after the first.
 
@@ -327,6 +330,8 @@ class IgnoreMarks:
         self.modules = 0  # first opens of files that could be modules: never ignored
         self.failed = 0  # marks the kernel refused (after the probe)
         self.problem: str | None = None
+        if mode not in IGNORE_MODES:
+            raise ValueError(f"ignore marks: mode {mode!r} is not one of {', '.join(IGNORE_MODES)}")
         self.mode = self.probe() if mode == "auto" else mode
 
     def probe(self) -> str:
