@@ -15,7 +15,11 @@ On this machine's kernel, with a real fanotify group on a tmpfs:
 - the responder killed: what it held goes on at once (the agent closes its
   copy of the group), the death is recorded, a new responder marks again and
   holds the next load; one that keeps dying is replaced five times in ten
-  minutes, then the hold is off, said once, and the agent goes on.
+  minutes, then the hold is off, said once, and the agent goes on;
+- a new responder slow to answer (a seam: its process waits until the test lets
+  it go): passes go on meanwhile (the gate opens and is withdrawn), and a pass
+  adopts it once it answers; the agent stopped meanwhile leaves neither its
+  process nor a descriptor; new ones that never answer count as restarts.
 
 How long an open takes through the responder apart is ``bench/hold_latency.py``'s.
 """
@@ -316,8 +320,12 @@ def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
         assert procs[0].returncode == 0 and out == ko.read_bytes()
         (died,) = until(lambda: _kinds(timeline, "hold-responder-died"), "death not recorded")
         assert died["pid"] == first.pid and died["how"] == "killed by SIGKILL"
-        status = until(
-            lambda: (s := _hold_status(root)).get("responder_restarts") == 1 and s,
+        status = until(  # (first "starting": the new one starts off the loop thread)
+            lambda: (
+                (s := _hold_status(root)).get("responder_restarts") == 1
+                and s.get("responder") == "answering"
+                and s
+            ),
             "no new responder",
         )
         assert status["responder_pid"] not in (None, first.pid)
@@ -391,6 +399,189 @@ def test_a_stuck_responder_is_killed_its_held_opens_go_and_a_new_one_answers(
         assert died["pid"] == first.pid
         until(lambda: (h := side.hold) not in (None, first) and h.alive(), "no new responder")
         _opens_complete(other, 3)
+
+
+# -- a new responder slow to answer: off the loop thread --------------------------------
+
+
+class _SlowStart:
+    """The seam: every responder process started from now on is a shell that waits until
+    the test lets it go (``release``: a file appears), then becomes Python as before; its
+    ``ResponderProcess`` waits up to ``ready_timeout_s`` for it to answer (far past any
+    test's wait, but where its failure is the question: a loop thread waiting on it would
+    hang the test)."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ready_timeout_s: float):
+        from nodeagent.host.responder_apart import ResponderProcess
+
+        self.go = tmp_path / "responder-go"
+        self.script = tmp_path / "slow-python"
+        self.script.write_text(
+            "#!/bin/sh\n"
+            # (at most ~2 min: a failed test leaves no shell waiting for ever)
+            f"n=0; while [ ! -e '{self.go}' ] && [ $n -lt 6000 ]; do sleep 0.02; n=$((n+1)); done\n"
+            f"exec '{sys.executable}' \"$@\"\n"
+        )
+        self.script.chmod(0o755)
+        defaults = ResponderProcess.__init__.__kwdefaults__
+        monkeypatch.setitem(defaults, "python", str(self.script))
+        monkeypatch.setitem(defaults, "ready_timeout_s", ready_timeout_s)
+
+    def release(self) -> None:
+        self.go.touch()
+
+
+def _children() -> list[int]:
+    """This process's child processes, zombies too."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(") ", 1)[1].split()[1]) == os.getpid():
+                    out.append(int(entry))
+    return out
+
+
+def test_a_slow_new_responder_stalls_no_pass_and_is_adopted_once_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new responder after a death waits to answer (as a Python start may on a loaded
+    node, up to 15 s): passes go on meanwhile, the gate (open when it died) is withdrawn,
+    opened and withdrawn, the side holds nothing and says "starting"; once it answers, a
+    pass adopts it, tells it the gate as it is now (closed, not as it was at the death) and
+    it holds the next load."""
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    gates = GateFiles(HostRoot(str(root)), "run/nodeagent")
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+        side = agent.side("peermem")
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        first = side.hold
+        node.write(READY)  # open when the responder dies
+        until(lambda: gates.read("peermem").is_open, "the gate did not open")
+        until(lambda: side.gate_open, "the hold's gate did not open")
+        slow = _SlowStart(tmp_path, monkeypatch, ready_timeout_s=10 * WAIT)  # the next ones
+        try:
+            os.kill(first.pid, signal.SIGKILL)
+            status = until(
+                lambda: (s := _hold_status(root)).get("responder") == "starting" and s,
+                "the hold did not say its new responder is starting",
+            )
+            assert status["responder_pid"] is None and status["responder_restarts"] == 1
+            assert status["marked"] == [] and status["held"] == []
+            starting = until(
+                lambda: side.replacement is not None and side.replacement.pid,
+                "the new responder's process was not spawned",
+            )
+            assert _alive(starting) and side.hold is None
+
+            # The loop runs passes while it waits (before, its loop thread waited here): the
+            # gate withdrawn, opened, withdrawn again.
+            passes = agent.passes
+            (node.root / READY).unlink()
+            until(lambda: not gates.read("peermem").is_open, "no pass withdrew the gate")
+            until(lambda: not side.gate_open, "the hold's side did not follow the gate")
+            node.write(READY)
+            until(lambda: gates.read("peermem").is_open, "no pass opened the gate")
+            until(lambda: side.gate_open, "the hold's side did not follow the gate")
+            (node.root / READY).unlink()
+            until(lambda: not gates.read("peermem").is_open, "no pass withdrew the gate")
+            until(lambda: not side.gate_open, "the hold's side did not follow the gate")
+            until(lambda: agent.passes >= passes + 3, "the passes did not end")
+            assert side.hold is None and side.replacement is not None  # still starting
+            assert not side.needs_beat()
+            assert _hold_status(root)["responder"] == "starting"
+
+            slow.release()  # it answers: a pass adopts it
+            status = until(
+                lambda: (s := _hold_status(root)).get("responder") == "answering" and s,
+                "the new responder was not adopted",
+            )
+            assert status["responder_pid"] == starting and side.hold.pid == starting
+            assert status["marked"] == ["run/nvidia/driver"] and status["gate_open"] is False
+            assert status["responder_restarts"] == 1 and side.replacement is None
+            assert len(_kinds(timeline, "hold-started")) == 2
+
+            # Told the gate as it is now (closed): the next load is held, then goes with it.
+            procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+            until(lambda: procs[0].pid in _held_pids(side), "the new responder did not hold")
+            assert procs[0].poll() is None
+            node.write(READY)
+            out, _ = procs[0].communicate(timeout=WAIT)
+            assert procs[0].returncode == 0 and out == ko.read_bytes()
+        finally:
+            slow.release()
+
+
+def _descriptors(tmp_path: Path) -> list[str]:
+    """What this process's descriptors are, but files under ``tmp_path`` (the agent's
+    observer keeps some of the node's files open across a stop: not the hold's)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith(str(tmp_path)):
+                out.append(target)
+    return sorted(out)
+
+
+def test_an_agent_stopped_while_a_new_responder_starts_leaves_no_process_or_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, driver = driver_root(tmp_path)
+    with _unmounted(driver):
+        before = _descriptors(tmp_path)
+        with _agent_here(root) as (agent, _node):
+            side = agent.side("peermem")
+            _SlowStart(tmp_path, monkeypatch, ready_timeout_s=10 * WAIT)  # never let go
+            os.kill(side.hold.pid, signal.SIGKILL)
+            replacement = until(lambda: side.replacement, "no new responder started")
+            starting = until(lambda: replacement.pid, "the new responder was not spawned")
+            assert _alive(starting)
+        # The block's end stopped the agent while the new one waited: it was killed, its
+        # starter ended, and every descriptor it and the hold opened is closed.
+        assert replacement.thread is not None and not replacement.thread.is_alive()
+        assert side.replacement is None and side.hold is None
+        assert not _alive(starting) and _children() == []
+        assert _descriptors(tmp_path) == before  # (pipes, eventfd, lease, group: none left)
+
+
+def test_new_responders_that_do_not_answer_are_counted_and_then_the_hold_is_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each new responder that does not answer in its time is a restart (a state-problem
+    each) and another is started, up to the five in ten minutes; then the hold is off,
+    said once. The loop's passes go on throughout."""
+    from nodeagent.guards.peermem_hold import RESTARTS_MAX
+
+    root, driver = driver_root(tmp_path)
+    gates = GateFiles(HostRoot(str(root)), "run/nodeagent")
+    timeline = root / "var/lib/nodeagent/timeline.jsonl"
+
+    def problems(text: str) -> list[dict[str, Any]]:
+        return [r for r in _kinds(timeline, "state-problem") if text in str(r.get("problem"))]
+
+    with _unmounted(driver), _agent_here(root) as (agent, node):
+        side = agent.side("peermem")
+        _SlowStart(tmp_path, monkeypatch, ready_timeout_s=0.5)  # never let go: none answers
+        os.kill(side.hold.pid, signal.SIGKILL)
+        node.write(READY)  # a pass while the new ones fail to start
+        until(lambda: gates.read("peermem").is_open, "no pass opened the gate")
+        (off,) = until(lambda: problems("until the agent restarts"), "the hold did not give up")
+        assert off["problem"] == (
+            f"peermem.hold_loads: the responder was replaced {RESTARTS_MAX} times in 600s "
+            "and the last new one did not start (the responder process did not answer in "
+            "0.5s); not holding any load until the agent restarts"
+        )
+        assert len(problems("did not answer in 0.5s; not holding any load")) == RESTARTS_MAX
+        assert len(side.restarts) == RESTARTS_MAX
+        assert side.hold is None and side.replacement is None
+        assert len(_kinds(timeline, "hold-started")) == 1
+        until(lambda: _children() == [], "a new responder's process is left")
+        until(lambda: _hold_status(root) == {}, "the status still shows a hold")
+        assert gates.read("peermem").is_open  # the gate is the agent's: it stays
 
 
 # -- it opens no file once it answers -----------------------------------------------------

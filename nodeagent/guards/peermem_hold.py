@@ -14,12 +14,17 @@ stalled agent stalls no open: the gate reaches it as a lease this side writes at
 each change and renews at each heartbeat (``beat``). If that process dies, the
 agent's copy of the group is closed at once (the kernel lets what was pending
 go) and the next pass starts a new group, process and marks, at most
-``RESTARTS_MAX`` times in ``RESTART_WINDOW_S``.
+``RESTARTS_MAX`` times in ``RESTART_WINDOW_S``. That new one starts off the loop
+thread (its wait for the process to answer may take ``READY_TIMEOUT_S``, and
+no pass may wait on it): the side holds nothing meanwhile (status
+``"responder": "starting"``), and a later pass adopts it once it answered, or
+counts its failure and starts another.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +34,96 @@ from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
 
 if TYPE_CHECKING:
     from nodeagent.host.containers import RootScanner
-    from nodeagent.host.hold import HoldResponder
+    from nodeagent.host.hold import HoldGroup, HoldHost, HoldResponder
+    from nodeagent.host.responder_apart import ResponderProcess
 
 log = logging.getLogger("nodeagent")
 
 RESTARTS_MAX = 5  # new responders after a death, within the window; then the hold stays off
 RESTART_WINDOW_S = 600.0
+# How long stop waits for a new responder still starting to be killed and closed (its
+# process is killed at once: this is its reaping and its descriptors closing).
+CANCEL_TIMEOUT_S = 5.0
+
+# start_hold's answer: (responder, marked, problems).
+Started = tuple["HoldResponder | None", list[str], list[str]]
+
+
+class _Replacement:
+    """A new responder started off the loop thread: the starter thread runs ``start_hold``
+    (the process, its wait to answer, the marks) and leaves what it returned here; the loop
+    thread takes it in a later pass (``take``), or cancels it at stop (``cancel``). After a
+    cancel, whichever of the two sees the result stops it, never both."""
+
+    def __init__(self, wake: Callable[[str], None]) -> None:
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._result: Started | None = None
+        self._process: ResponderProcess | None = None  # the process starting, to abort
+        self.group: HoldGroup | None = None
+        self.host: HoldHost | None = None
+        self.thread: threading.Thread | None = None
+
+    def begin(self, group: HoldGroup, host: HoldHost, run: Callable[[], Started]) -> None:
+        self.group, self.host = group, host
+        self.thread = threading.Thread(
+            target=self._run, args=(run,), name="hold-starter", daemon=True
+        )
+        self.thread.start()
+
+    @property
+    def pid(self) -> int | None:
+        """The new responder's process, once spawned."""
+        process = self._process
+        return process.pid if process is not None else None
+
+    def track(self, process: ResponderProcess) -> None:
+        """The starter thread, before the process starts: kept for ``cancel``."""
+        with self._lock:
+            if self._cancelled:
+                raise OSError("the agent stopped before a new responder started")
+            self._process = process
+
+    def take(self) -> Started | None:
+        """What ``start_hold`` returned; None while it runs."""
+        with self._lock:
+            return self._result
+
+    def cancel(self, timeout: float) -> bool:
+        """The agent stops: a process still starting is killed, one started is stopped
+        (every descriptor closed); False when the starter did not end in ``timeout``."""
+        with self._lock:
+            self._cancelled = True
+            result, process = self._result, self._process
+        if result is not None:  # ended before the cancel: the starter stops nothing
+            if result[0] is not None:
+                result[0].stop()
+        elif process is not None:
+            process.abort()  # start() raises at once; a start past its answer: see _run
+        if self.thread is not None:
+            self.thread.join(timeout)
+            return not self.thread.is_alive()
+        return True
+
+    def _run(self, run: Callable[[], Started]) -> None:
+        try:
+            result = run()
+        except Exception as exc:  # a bug: said as a problem, never a silent dead thread
+            result = (
+                None,
+                [],
+                [
+                    f"peermem.hold_loads: a new responder did not start ({type(exc).__name__}: "
+                    f"{exc}); not holding any load"
+                ],
+            )
+        with self._lock:
+            self._result = result
+            cancelled = self._cancelled
+        if cancelled and result[0] is not None:
+            result[0].stop()  # the loop thread will not take it
+        self._wake("hold restarted" if result[0] is not None else "hold restart failed")
 
 
 class PeermemHold(GuardSide):
@@ -51,6 +140,7 @@ class PeermemHold(GuardSide):
         self.unlimited_queue = True  # the group's queue (bounded: an overflow lets opens go)
         self.release = False  # the last pass let held loads go without a gate (release_held)
         self.restarts: list[float] = []  # when a dead responder was replaced (the window's)
+        self.replacement: _Replacement | None = None  # a new responder starting, off the loop
 
     # -- the loop's hooks -------------------------------------------------------
 
@@ -63,7 +153,18 @@ class PeermemHold(GuardSide):
         self._start_hold()
 
     def _start_hold(self) -> None:
-        from nodeagent.host.containers import RootScanner
+        """At agent start, on the loop thread (before the first pass)."""
+        prepared = self._prepare()
+        if prepared is not None:
+            group, host, run = prepared
+            self._adopt(group, host, run())
+
+    def _prepare(
+        self, track: Callable[[ResponderProcess], None] = lambda responder: None
+    ) -> tuple[HoldGroup, HoldHost, Callable[[], Started]] | None:
+        """A new group (problems recorded), and how to start the hold on it: ``run``, which
+        waits for the responder process to answer (``track``: given it before it starts);
+        None when the kernel refuses a group."""
         from nodeagent.host.fanotify import FanotifyGroup
         from nodeagent.host.hold import HoldHost, start_hold
 
@@ -74,7 +175,7 @@ class PeermemHold(GuardSide):
         except OSError as exc:
             log.warning("peermem.hold_loads: %s", exc)
             ctx.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
-            return
+            return None
         # A group without an unlimited queue holds until its queue overflows: weaker, said.
         self.unlimited_queue = getattr(group, "unlimited_queue", True)
         queue_problem = getattr(group, "queue_problem", None)
@@ -95,24 +196,43 @@ class PeermemHold(GuardSide):
                 budget_s=pol.hold_budget_s,
                 on_report=on_report,
                 proc=host.proc,
+                track=track,
             )
-        self.hold, self.marked, problems = start_hold(
-            group,
-            group.mark_filesystem,
-            roots,
-            gate_open=lambda: self.gate_open,
-            budget_s=pol.hold_budget_s,
-            host_pids=host.host_pids(),
-            containers=bool(pol.hold_containers),
-            on_report=on_report,
-            host=host,
-            apart=apart,
-        )
+        host_pids = host.host_pids()
+
+        def run() -> Started:
+            try:
+                return start_hold(
+                    group,
+                    group.mark_filesystem,
+                    roots,
+                    gate_open=lambda: self.gate_open,
+                    budget_s=pol.hold_budget_s,
+                    host_pids=host_pids,
+                    containers=bool(pol.hold_containers),
+                    on_report=on_report,
+                    host=host,
+                    apart=apart,
+                )
+            except Exception:
+                group.close()  # (start_hold closes it on every failure it foresees)
+                raise
+
+        return group, host, run
+
+    def _adopt(self, group: HoldGroup, host: HoldHost, started: Started) -> bool:
+        """On the loop thread: what ``start_hold`` returned, its problems recorded, becomes
+        the side's hold, told the gate now; False when it holds nothing."""
+        from nodeagent.host.containers import RootScanner
+
+        pol, ctx = self.ctx.policy, self.ctx
+        hold, marked, problems = started
         for p in problems:
             log.warning(p)
             ctx.record({"kind": "state-problem", "problem": p})
-        if self.hold is None:
-            return
+        if hold is None:
+            return False
+        self.hold, self.marked = hold, marked
         self.hold.follow(self.gate_open)  # a new responder starts closed: tell it the gate
         self.since = ctx.clock()
         budget = self.hold.descriptors
@@ -140,6 +260,7 @@ class PeermemHold(GuardSide):
                 self.containers.start()
             else:
                 self.containers.prepare()
+        return True
 
     def protect(self, verdict: Verdict) -> None:
         if not verdict.ok:
@@ -150,6 +271,7 @@ class PeermemHold(GuardSide):
         help (a load the kernel refuses either way)."""
         self.release = bool(verdict.evidence.get("release_held")) and vouches()
         self._follow(published or self.release)
+        self._adopt_replacement()
         self._record_holds()
         self._replace_dead_responder()
 
@@ -165,7 +287,7 @@ class PeermemHold(GuardSide):
 
     def status(self) -> Any:
         if self.hold is None:
-            return None
+            return self._starting_status() if self.replacement is not None else None
         return {
             "marked": self.marked,
             "since": self.since,
@@ -204,18 +326,26 @@ class PeermemHold(GuardSide):
         }
 
     def stop(self) -> None:
+        self._cancel_replacement()
         if self.containers is not None:
             self.containers.stop()
         if self.hold is not None:
             self.hold.stop()  # every held open is allowed and reported
             self._record_holds()
 
+    def close(self) -> None:
+        self._cancel_replacement()  # (done by stop already)
+
     # -- its own --------------------------------------------------------------
 
     def _follow(self, is_open: bool) -> None:
         """Tell the responder the gate: at a change, and while open at every pass and beat
-        (the process apart reads a lease that runs out without them)."""
-        if self.hold is None or not (is_open or self.gate_open):
+        (the process apart reads a lease that runs out without them). Without one (a new
+        one starting), the gate is kept for it: adopted, it is told the gate then."""
+        if self.hold is None:
+            self.gate_open = is_open
+            return
+        if not (is_open or self.gate_open):
             return  # closed, and it was: nothing to tell
         # Closing, the responder's lease first: whoever sees gate_open False finds it closed
         # (a load started then is held). Opening, the flag first: a thread responder reads it
@@ -236,21 +366,77 @@ class PeermemHold(GuardSide):
             return
         self._record_holds()  # its death notice, and what it said before
         self._let_go("responder died")
+        self._replace(f"the responder process {died}", died=died)
+
+    def _replace(self, why: str, died: str | None) -> None:
+        """Start a new responder off the loop thread (``_Replacement``), counted in the
+        window; past ``RESTARTS_MAX`` there, the hold stays off, said once. ``died``: how
+        the last one ended (else the last new one did not start)."""
         now = self.ctx.clock()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
         if len(self.restarts) >= RESTARTS_MAX:
-            problem = (
-                f"peermem.hold_loads: the responder process died {len(self.restarts) + 1} times "
-                f"in {RESTART_WINDOW_S:g}s (last: {died}); not holding any load until the agent "
-                "restarts"
-            )
+            if died is not None:
+                problem = (
+                    f"peermem.hold_loads: the responder process died {len(self.restarts) + 1} "
+                    f"times in {RESTART_WINDOW_S:g}s (last: {died}); not holding any load "
+                    "until the agent restarts"
+                )
+            else:
+                problem = (
+                    f"peermem.hold_loads: the responder was replaced {len(self.restarts)} times "
+                    f"in {RESTART_WINDOW_S:g}s and the last new one did not start ({why}); not "
+                    "holding any load until the agent restarts"
+                )
             log.error("%s", problem)
             self.ctx.record({"kind": "state-problem", "problem": problem})
             return
         self.restarts.append(now)
-        log.warning("peermem hold: the responder process %s; starting a new one", died)
-        self._start_hold()
-        self.ctx.wake("hold restarted")  # a pass now: its status shows the new responder
+        log.warning("peermem hold: %s; starting a new responder", why)
+        replacement = _Replacement(self.ctx.wake)
+        prepared = self._prepare(track=replacement.track)
+        if prepared is None:
+            return  # no group: recorded, the hold stays off (as at start)
+        replacement.begin(*prepared)
+        self.replacement = replacement
+        self.ctx.wake("hold restarting")  # a pass now: its status says it is starting
+
+    def _adopt_replacement(self) -> None:
+        """A new responder that answered becomes the hold (told this pass's gate); one that
+        did not is counted, its problems recorded, and another started."""
+        replacement = self.replacement
+        started = replacement.take() if replacement is not None else None
+        if replacement is None or started is None:
+            return  # none, or still starting
+        self.replacement = None
+        assert replacement.group is not None and replacement.host is not None
+        if self._adopt(replacement.group, replacement.host, started):
+            return
+        last = started[2][-1] if started[2] else "nothing said"
+        why = last.removeprefix("peermem.hold_loads: ").removesuffix("; not holding any load")
+        self._replace(why, died=None)
+
+    def _cancel_replacement(self) -> None:
+        replacement, self.replacement = self.replacement, None
+        if replacement is not None and not replacement.cancel(CANCEL_TIMEOUT_S):
+            log.warning("peermem hold: a new responder still starting after %gs", CANCEL_TIMEOUT_S)
+
+    def _starting_status(self) -> dict[str, Any]:
+        """While a new responder starts: nothing marked, nothing held."""
+        return {
+            "marked": [],
+            "since": None,
+            "gate_open": self.gate_open,
+            "queue": "unlimited" if self.unlimited_queue else "bounded",
+            "held": [],
+            "counts": {},
+            "responder": "starting",
+            "responder_pid": None,
+            "responder_restarts": len(self.restarts),
+            "ignore_marks": None,
+            "descriptors": None,
+            "container_roots": [],
+            "not_marked": [],
+        }
 
     def _let_go(self, why: str) -> None:
         """Stop the scanner and the responder (every held open allowed, reported); each

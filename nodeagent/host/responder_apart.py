@@ -59,9 +59,12 @@ def spawner(
     on_report: Callable[[], None] = lambda: None,
     proc: str = "/proc",
     ignore_marks: str = "auto",
+    track: Callable[[ResponderProcess], None] = lambda responder: None,
 ) -> Callable[[DescriptorBudget], ResponderProcess]:
     """``start_hold``'s ``apart``: a responder process for ``group``, started (it answers
-    before the hold marks anything); OSError when it does not."""
+    before the hold marks anything); OSError when it does not. ``track``: given each one
+    before it starts (a start off the loop thread keeps it to ``abort``; an OSError from
+    it: not started)."""
 
     def start(descriptors: DescriptorBudget) -> ResponderProcess:
         responder = ResponderProcess(
@@ -72,6 +75,7 @@ def spawner(
             proc=proc,
             ignore_marks=ignore_marks,
         )
+        track(responder)
         responder.start()
         return responder
 
@@ -132,6 +136,8 @@ class ResponderProcess:
         self._state_at = 0.0
         self._lock = threading.Lock()
         self._stopping = False
+        self._aborted = False  # abort(): the agent stopped while it started
+        self._ready = False  # start() saw it answer, and no abort before
         self._popen: subprocess.Popen[bytes] | None = None
         self._lease: HoldLease | None = None
         self._wake_fd = -1
@@ -193,6 +199,10 @@ class ResponderProcess:
         self.pid = self._popen.pid
         try:
             self._wait_ready()
+            with self._lock:  # an abort now or later: not killed here, stopped by its caller
+                if self._aborted:
+                    raise OSError("the agent stopped while the responder process started")
+                self._ready = True
         except OSError:
             self._kill()
             self._close_fds()
@@ -207,11 +217,16 @@ class ResponderProcess:
         poller = select.poll()
         poller.register(self._out_r, select.POLLIN)
         while True:
+            if self._aborted:  # (killed by abort, or about to be: its pipe ends then)
+                raise OSError("the agent stopped while the responder process started")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise OSError(f"the responder process did not answer in {self.ready_timeout_s:g}s")
+            ready: list[tuple[int, int]] = []
             with contextlib.suppress(InterruptedError):
-                poller.poll(int(left * 1000) + 1)
+                ready = poller.poll(int(left * 1000) + 1)
+            if not ready:
+                continue  # (its pipe blocks: a read now would wait past the deadline)
             chunk = self._read_chunk()
             if chunk is None:
                 rc = self._popen.wait(STOP_TIMEOUT_S) if self._popen else None
@@ -220,6 +235,17 @@ class ResponderProcess:
                 if msg.get("t") == "ready":
                     return
                 self._take(msg)
+
+    def abort(self) -> None:
+        """From another thread, while ``start`` waits for it to answer: kill it, so that
+        ``start`` sees its pipe end, closes what it opened and raises. Once ``start`` saw it
+        answer, nothing: its caller stops it (``stop``)."""
+        with self._lock:
+            self._aborted = True
+            popen = None if self._ready else self._popen
+        if popen is not None:
+            with contextlib.suppress(OSError):
+                popen.kill()  # (nothing once reaped)
 
     # -- the loop's side ----------------------------------------------------------------
 
