@@ -65,12 +65,20 @@ def lease_clock() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+_BOOT_ID: list[str] = []  # this boot's id, once read: it cannot change under a process
+
+
 def boot_id() -> str:
+    if _BOOT_ID:
+        return _BOOT_ID[0]
     try:
         with open(BOOT_ID, encoding="ascii") as f:
-            return f.read(64).strip()
+            found = f.read(64).strip()
     except OSError:
         return ""
+    if found:
+        _BOOT_ID.append(found)
+    return found
 
 
 def stale_reason(confirmed_at: float, resync_seconds: float, now: float) -> str | None:

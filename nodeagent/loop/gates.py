@@ -68,12 +68,14 @@ class Gates:
         vouches: bool,
         fresh: Callable[[], bool],
     ) -> list[str]:
-        """The end of a pass: publish ``open_gates`` if the pass vouches and is still fresh,
-        else withdraw every gate. What was published is what the loop renews."""
+        """Publish ``open_gates`` if the pass vouches and is still fresh, else withdraw every
+        gate. What was published is what the loop renews. Freshness is asked once per gate,
+        between its file's fsync and its rename (a stale one is withdrawn there), not also
+        before: each ask is a round of polls and stats on the way to a held load."""
         published: list[str] = []
-        if not vouches or not fresh():
+        if not vouches or (not open_gates and not fresh()):
             self.withdraw(self.gates)
-        else:
+        elif open_gates:
             published = self.publish(open_gates, fresh)
         self.published, self.published_snap = published, snap
         return published
