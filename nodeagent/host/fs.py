@@ -59,10 +59,18 @@ def _load_syscall() -> Any:
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
+    # openat2's arguments typed once: plain ints and bytes convert in C, not through a
+    # ctypes object each (every read of a pass is one call).
+    fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
     return fn
 
 
+# One open_how per flags value, made once and never written again (threads share it).
+_HOWS: dict[int, tuple[_OpenHow, int]] = {}
+
+
 _syscall = _load_syscall()
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
 # None: not probed yet; False: this kernel (or seccomp profile) has no openat2.
 _have_openat2: bool | None = None
 
@@ -75,14 +83,11 @@ def openat2_in_root(root_fd: int, rel: str, flags: int) -> int:
     global _have_openat2
     if _syscall is None or _have_openat2 is False:
         raise OSError(errno.ENOSYS, "openat2 unavailable")
-    how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    fd = _syscall(
-        ctypes.c_long(_SYS_OPENAT2),
-        ctypes.c_int(root_fd),
-        ctypes.c_char_p(os.fsencode(rel or ".")),
-        ctypes.byref(how),
-        ctypes.c_size_t(ctypes.sizeof(how)),
-    )
+    made = _HOWS.get(flags)
+    if made is None:
+        how = _OpenHow(flags, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+        made = _HOWS.setdefault(flags, (how, ctypes.addressof(how)))
+    fd = _syscall(_SYS_OPENAT2, root_fd, os.fsencode(rel or "."), made[1], _HOW_SIZE)
     if fd < 0:
         err = ctypes.get_errno()
         if err in (errno.ENOSYS, errno.EPERM) and _have_openat2 is None:
