@@ -692,3 +692,34 @@ def test_a_responder_that_cannot_start_is_one_line_and_leaves_no_descriptor(
     assert line.startswith("peermem.hold_loads: ") and "/nonexistent" in line
     assert group.fd == -1  # the group closed: nothing marked, nothing held
     assert len(os.listdir("/proc/self/fd")) == before - 1  # the group's, and nothing else
+
+
+def test_a_pass_opens_no_file_on_the_marked_filesystem(tmp_path: Path) -> None:
+    """The agent reads the GPU driver's tree at every pass (nvidia-peermem.ko, its
+    dependency, modules.dep), and that tree is on the filesystem the hold marks. A pass
+    identifies them without opening them (O_PATH), so it costs the responder nothing:
+    before, each pass's open of the target was a round trip through it (never ignored,
+    being a target), on the way from MOFED's flag to the held load (issue 39)."""
+    root, driver = driver_root(tmp_path)
+    with _unmounted(driver), _agent_here(root) as (agent, _node):
+        side = agent.side("peermem")
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+
+        def answered() -> int:
+            return sum(side.hold.counts.values()) if side.hold is not None else -1
+
+        def control() -> int:
+            """An open that goes through the responder, and its count once it is in (the
+            responder reports in order: what came before is counted by then)."""
+            was = answered()
+            with open(ko, "rb") as f:
+                f.read(1)
+            return until(lambda: (n := answered()) > was and n, "a control open unanswered")
+
+        until(lambda: agent.passes >= 1, "no first pass")
+        before = control()  # the first pass's reads (each file read once) are in
+        count = agent.passes
+        for i in range(5):
+            agent.poke.poke(f"test {i}")
+            assert agent.wait_for_passes(count + i + 1, WAIT), "a pass did not run"
+        assert control() == before + 1, side.hold.counts  # the passes' reads: none

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import stat
@@ -148,6 +149,14 @@ def walk_in_root(root_fd: int, rel: str, flags: int) -> int:
             os.close(fd)
 
 
+def reopen(fd: int) -> int:
+    """A readable, non-blocking descriptor of the file an ``O_PATH`` descriptor names (the
+    same inode, through /proc/self/fd: nothing is resolved again); others are dup'ed."""
+    if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_PATH:
+        return os.dup(fd)
+    return os.open(f"/proc/self/fd/{fd}", _READ_FLAGS)
+
+
 def _kind(mode: int) -> str:
     kinds = {
         stat.S_IFDIR: "a directory",
@@ -249,6 +258,21 @@ class HostRoot:
     def open_regular(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
         """Open for reading, non-blocking; refuse anything but a regular file."""
         fd = self.open(rel, _READ_FLAGS, follow=follow)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFile(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def identify(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
+        """An ``O_PATH`` descriptor of the regular file at ``rel`` and its stat: the file is
+        not opened (no fanotify permission event on a marked filesystem, no FIFO to block
+        on), so a cached read can be validated for a path walk and a stat. ``reopen``
+        gives a readable descriptor of the very same file when it must be read."""
+        fd = self.open(rel, os.O_PATH, follow=follow)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from nodeagent.core.names import normalize_module_name
-from nodeagent.host.fs import read_capped
+from nodeagent.host.fs import read_capped, reopen
 
 __all__ = ["find_module", "module_dependencies"]
 
@@ -112,7 +112,11 @@ def _load(
             if hit is not None:
                 _cache.move_to_end(key)
                 return hit
-        raw = read_capped(fd, _MAX_MODULES_DEP)
+        readable = reopen(fd)  # an opener may give an O_PATH descriptor: read the same file
+        try:
+            raw = read_capped(readable, _MAX_MODULES_DEP)
+        finally:
+            os.close(readable)
     except OSError:
         return None
     finally:

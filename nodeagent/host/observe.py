@@ -38,7 +38,7 @@ from nodeagent.core.snapshot import (
     TextFact,
 )
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
-from nodeagent.host.fs import HostRoot
+from nodeagent.host.fs import HostRoot, reopen
 from nodeagent.host.moddep import Memo, find_module, module_dependencies
 from nodeagent.host.modfile import (
     ModuleFile,
@@ -235,21 +235,33 @@ class Observer:
         )
 
     def _open_in_root(self, path: str) -> int:
-        return self.host.open(self.host.rel_of(path), follow=True)
+        """modules.dep, identified without being opened (moddep reads it only when it is
+        not the one it parsed before: ``reopen``)."""
+        return self.host.open(self.host.rel_of(path), os.O_PATH, follow=True)
 
     def _parse_ko(self, rel: str) -> ModuleFile | str:
         """Parse the .ko at ``rel`` (resolved inside the root); a string says what is wrong."""
+        # Identified without being opened: on a filesystem the hold marks, an open of the
+        # target is a round trip through the responder at every pass (issue 39); only a
+        # file not seen before is opened, through the same descriptor's inode.
         try:
-            fd, st = self.host.open_regular(rel, follow=True)
+            path_fd, st = self.host.identify(rel, follow=True)
         except OSError as exc:
             self._verified.pop(rel, None)
             return f"cannot read {rel}: {exc.strerror or exc}"
         key: _KoKey = (rel, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
         cached = self._ko_cache.get(key)
         if cached is not None:
-            os.close(fd)
+            os.close(path_fd)
             result, fd = cached
         else:
+            try:
+                fd = reopen(path_fd)
+            except OSError as exc:
+                self._verified.pop(rel, None)
+                return f"cannot read {rel}: {exc.strerror or exc}"
+            finally:
+                os.close(path_fd)
             try:
                 result = read_module_fd(fd, rel)
             except ModuleFileError as exc:

@@ -8,7 +8,9 @@ sends itself SIGKILL:
 - ``after-observe``      the snapshot is read, nothing decided yet
 - ``after-memory-save``  the write-ahead memory save completed
 - ``mid-action``         inside the module operation, after it took effect
-- ``before-publish``     memory, timeline and status written; gate files not
+- ``before-publish``     the write-ahead memory written; gate files, timeline and
+                         status not (the pass publishes as soon as its decision is
+                         durable: ``loop/passes.py`` rule 5)
 - ``none``               the pass completes
 
 At every step boundary of the pass (memory save, action, timeline record,
@@ -37,6 +39,7 @@ from nodeagent.host.kmod import ModuleOpError
 from nodeagent.host.modfile import read_module_fd
 from nodeagent.host.observe import Observer
 from nodeagent.host.state import StateStore
+from nodeagent.loop.gates import Gates
 from nodeagent.timeline import Timeline
 
 STEPS = ("after-observe", "after-memory-save", "mid-action", "before-publish", "none")
@@ -122,7 +125,9 @@ def main(argv: list[str]) -> int:
     wrap(Actuator, "perform")
     wrap(Timeline, "append")
     wrap(StateStore, "write_status")
-    wrap(GateFiles, "publish", before=die if step == "before-publish" else lambda: None)
+    wrap(GateFiles, "publish")
+    # The publication step itself, reached whether or not a gate is open to publish.
+    wrap(Gates, "settle", before=die if step == "before-publish" else lambda: None)
     cfg = Config(host_root=str(root), mode="enforce", uevents=False)
     kernel = FileKernel(root, die if step == "mid-action" else lambda: None)
     agent = Agent(cfg, module_ops=kernel, kernel_log=lambda m: [])
