@@ -257,22 +257,18 @@ class HostRoot:
 
     def open_regular(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
         """Open for reading, non-blocking; refuse anything but a regular file."""
-        fd = self.open(rel, _READ_FLAGS, follow=follow)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise NotRegularFile(errno.EINVAL, f"is {_kind(st.st_mode)}, not a regular file")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
+        return self._regular(self.open(rel, _READ_FLAGS, follow=follow))
 
     def identify(self, rel: str, *, follow: bool = False) -> tuple[int, os.stat_result]:
         """An ``O_PATH`` descriptor of the regular file at ``rel`` and its stat: the file is
         not opened (no fanotify permission event on a marked filesystem, no FIFO to block
         on), so a cached read can be validated for a path walk and a stat. ``reopen``
         gives a readable descriptor of the very same file when it must be read."""
-        fd = self.open(rel, os.O_PATH, follow=follow)
+        return self._regular(self.open(rel, os.O_PATH, follow=follow))
+
+    @staticmethod
+    def _regular(fd: int) -> tuple[int, os.stat_result]:
+        """``fd`` and its stat if it is a regular file; else it is closed and refused."""
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
