@@ -233,6 +233,8 @@ def test_the_agent_explains_only_events_in_directories_of_markers(tmp_path: Path
             assert not explained(agent.host.path(listed) / "anything"), listed
         for d in needs.watch:
             assert not explained(agent.host.path(d) / "anything"), d
+        # MOFED's modules live under its flag's directory: their tree is not a temp file.
+        assert not explained(ready.parent / "lib")
         # A directory watched because it is a target, created inside a markers' directory.
         for target in (*needs.listings, *needs.watch):
             p = agent.host.path(target)

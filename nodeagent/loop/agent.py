@@ -180,8 +180,14 @@ class Agent:
         read_whole = {self.host.path(d) for d in (*needs.listings, *needs.watch)}
         texts = {self.host.path(t) for t in needs.texts}
         markers_only = frozenset(parents - read_whole - {t.parent for t in texts})
-        # A directory on the way to a watched one (created now, its contents unseen) is not.
-        on_the_way = frozenset(a for d in read_whole | parents for a in (d, *d.parents))
+        # Nor a name on the way to anything a pass reads: a watched directory (created now,
+        # its contents unseen), a driver tree's modules (MOFED's tree lives under the
+        # directory of its ready flag: a rename of its lib/ must make a decision stale).
+        trees = {t for d in needs.disk for t in d.trees} | set(needs.chain_trees)
+        read = {*read_whole, *parents, *texts} | {
+            self.host.path(f"{t}/lib/modules" if t else "lib/modules") for t in trees
+        }
+        on_the_way = frozenset(a for d in read for a in (d, *d.parents))
 
         def explained(path: Path) -> bool:
             return path.parent in markers_only and path not in on_the_way
