@@ -4,7 +4,8 @@ and the pass's bookkeeping failures.
 None of it decides anything, and none of it delays a protective step
 (``passes.py`` orders the pass). A bookkeeping failure is logged, reported in
 ``status.json`` and, when it is memory or status that could not be written,
-withholds this pass's open gates (``can_vouch``): without its memory on disk a
+takes back this pass's open gates (``can_vouch``; ``passes.py`` rules 5 and 8:
+memory before the gate, status after it): without its memory on disk a
 restarted agent could take a stale ready flag for a fresh one, and without
 status the operator cannot see why. The timeline is a record only: its
 failure is reported, not held against a gate.
