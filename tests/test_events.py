@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -242,3 +243,60 @@ def test_the_agent_explains_only_events_in_directories_of_markers(tmp_path: Path
     finally:
         agent.close()
         node.kernel.uevent_source.close()
+
+
+def test_settle_waits_for_the_writer_of_a_file_just_created_and_no_longer(
+    tmp_path: Path,
+) -> None:
+    """``touch`` wakes the loop on its create; ``settle`` lets the pass observe once the
+    writer closed the file (its times set), with what came meanwhile as wake reasons and
+    nothing left pending; a writer that keeps the file open is waited for at most the
+    bound; a file renamed into place is not waited for."""
+    target = tmp_path / "drivers"
+    target.mkdir()
+    watch = FileWatch(tmp_path, [target])
+    try:
+        fd = os.open(target / ".driver-ready", os.O_WRONLY | os.O_CREAT, 0o644)
+        go = threading.Event()
+
+        def finish() -> None:
+            go.wait(WAIT)
+            os.utime(fd)
+            os.close(fd)
+
+        writer = threading.Thread(target=finish)
+        writer.start()
+        deadline = time.monotonic() + WAIT
+        while not watch._writing and time.monotonic() < deadline:
+            watch.has_pending()  # the loop's wake-up: the creation read
+        assert watch._writing, "the creation was not seen"
+        go.set()
+        t0 = time.monotonic()
+        reasons = watch.settle(WAIT)
+        assert time.monotonic() - t0 < WAIT, "settle waited past the writer's close"
+        writer.join(WAIT)
+        assert any("closed" in r for r in reasons), reasons
+        assert not watch.has_pending(), "the writer's own events made the pass stale"
+
+        # A writer that never closes: the bound, not a hang (a hang detector, in seconds).
+        held = os.open(target / "kept-open", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + WAIT
+            while not watch._writing and time.monotonic() < deadline:
+                watch.has_pending()
+            t0 = time.monotonic()
+            watch.settle(0.05)
+            assert time.monotonic() - t0 < WAIT
+        finally:
+            os.close(held)
+        watch.drain()
+
+        # Renamed into place (written elsewhere first): nothing to wait for.
+        (tmp_path / "elsewhere").write_text("")
+        os.replace(tmp_path / "elsewhere", target / "moved-in")
+        deadline = time.monotonic() + WAIT
+        while not watch.holds and time.monotonic() < deadline:
+            watch.has_pending()
+        assert not watch._writing
+    finally:
+        watch.close()

@@ -221,9 +221,12 @@ def test_a_read_only_state_dir_expires_within_the_lease(running: tuple[Path, obj
     if p.returncode != 0:
         pytest.skip(f"cannot bind-mount here: {p.stderr.strip()}")
     try:
-        p = subprocess.run(
-            ["mount", "-o", "remount,bind,ro", str(state)], capture_output=True, text=True
-        )
+        for _ in range(50):  # busy while the running agent has a file open for writing there
+            p = subprocess.run(
+                ["mount", "-o", "remount,bind,ro", str(state)], capture_output=True, text=True
+            )
+            if p.returncode == 0 or "busy" not in p.stderr:
+                break
         if p.returncode != 0:
             pytest.skip(f"cannot remount read-only here: {p.stderr.strip()}")
         stuck_at = lease_clock()  # no renewal lands after this

@@ -27,6 +27,7 @@ import select
 import signal
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,7 @@ IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
 IN_Q_OVERFLOW, IN_IGNORED, IN_ONLYDIR = 0x4000, 0x8000, 0x01000000
+IN_ISDIR = 0x40000000
 WATCH_MASK = (
     IN_MODIFY
     | IN_ATTRIB
@@ -127,6 +129,7 @@ INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes o
 INOTIFY_READ = 64 * 1024
 DRAIN_MAX_BYTES = 4 * 1024 * 1024  # per drain; the rest keeps the descriptor readable
 REASONS_MAX = 16  # descriptions per drain; a storm is one wake-up, not 20k lines
+WRITING_MAX = 64  # files created and not yet closed, tracked for ``settle``
 
 
 def _inotify_libc() -> Any:
@@ -188,6 +191,9 @@ class FileWatch:
         self._by_wd: dict[int, _Watch] = {}
         self._held: list[str] = []
         self._held_more = 0
+        # Files created in a watched directory whose writer has not closed them yet (by
+        # watch descriptor and name; bounded): ``settle`` waits for them.
+        self._writing: set[tuple[int, bytes]] = set()
         self._started = False
         self.refresh()
         self._started = True
@@ -289,6 +295,11 @@ class FileWatch:
                 continue
             if not (watch.everything or name in watch.on_the_way):
                 continue
+            if mask & IN_CREATE and not mask & IN_ISDIR:
+                if len(self._writing) < WRITING_MAX:
+                    self._writing.add((wd, name))
+            elif mask & (IN_CLOSE_WRITE | IN_MOVED_FROM | IN_DELETE) and self._writing:
+                self._writing.discard((wd, name))
             # As _hold, inline: under a storm the path and description are made only when
             # needed (once one event is unexplained, the rest need not be asked about).
             path = None
@@ -313,6 +324,26 @@ class FileWatch:
         irrelevant one is dropped here; an explained one is held for the next drain.)"""
         self._read_queued()
         return self._unexplained
+
+    def settle(self, within_s: float) -> list[str]:
+        """After a wake-up, before the pass observes: wait (at most ``within_s``) until each
+        file created since is closed by its writer, and drain what came meanwhile.
+
+        inotify wakes the loop on a writer's first syscall: ``touch`` creates MOFED's
+        flag, then sets its times, then closes it; a pass that observed in between saw a
+        file that changed right after, and found its decision stale at the gate (a second
+        pass before the held load goes on). A writer that keeps its file open costs this
+        wait once; a file renamed into place (written elsewhere) costs nothing."""
+        end = time.monotonic() + within_s
+        while self._writing and self._fd >= 0:
+            left = end - time.monotonic()
+            poller = select.poll()  # (not select: descriptors past 1023)
+            poller.register(self._fd, select.POLLIN)
+            if left <= 0 or not poller.poll(left * 1000):
+                break
+            self._read_queued()
+        self._writing.clear()  # (what was not closed in time: the pass sees it as it is)
+        return self.drain()
 
     def drain(self) -> list[str]:
         self._read_queued()

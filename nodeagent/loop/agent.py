@@ -9,7 +9,6 @@ pass does, in what order, is ``passes.py``; when the next one comes is its
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -30,6 +29,9 @@ log = logging.getLogger("nodeagent")
 # At stop, steps in flight get this long to end before the stop actions run (SIGTERM's
 # grace is 1.5 s: host/events.py, StopOnSignal).
 STOP_WAIT_S = 1.0
+# After a wake-up, how long the pass waits for a file just created in a watched directory
+# to be closed by its writer (``FileWatch.settle``): a condition, not a delay.
+SETTLE_S = 0.002
 
 
 def any_pending(sources: Sequence[WakeSource], poke: Poke) -> bool:
@@ -222,13 +224,8 @@ class Agent:
                     woken_by = waker.wait(wait)
                 finally:
                     self.waiting.clear()
-                if woken_by:
-                    # Let whoever woke the loop finish first: inotify wakes it on a writer's
-                    # first syscall (touch: create, then set the times), and on a 2-CPU node
-                    # the loop, woken, takes the writer's CPU; its pass then saw the file
-                    # between the two and found its decision stale at the gate (a second
-                    # pass in 5 of 100 trials; 0 of 300 with this: issue 39).
-                    os.sched_yield()
+                if woken_by:  # a file just created: its writer closes it first
+                    woken_by += watch.settle(SETTLE_S)
                 now = self.clock()
                 if woken_by or self.stopping.is_set() or now >= deadline:
                     break
