@@ -491,3 +491,38 @@ def test_status_json_keeps_the_agents_document_and_adds_liveness(
     assert doc["guards"]["peermem"]["verdict"] == "closed" and doc["mode"] == "observe"
     assert doc["agent"]["reconciling"] is True
     assert doc["gate_files"]["peermem"]["is_open"] is False
+
+
+def _open_under(where: Path) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(where)):
+                out.append(target)
+    return out
+
+
+def test_an_agent_released_or_stopped_keeps_no_file_of_the_node_open(tmp_path: Path) -> None:
+    """The observer keeps each .ko it parsed open (the load uses the very file the gate
+    checked); a released agent, and one whose run ended, closes them (before, they stayed
+    open until the process exited: one set per agent in a long test run)."""
+    node = healthy_node(tmp_path)
+    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, journal=False)
+    try:
+        agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+        agent.run_pass(["test"])
+        assert any(p.endswith(".ko") for p in _open_under(tmp_path)), "nothing parsed"
+        agent.close()
+        assert not [p for p in _open_under(tmp_path) if p.endswith(".ko")]
+
+        agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+        thread = threading.Thread(target=agent.run, daemon=True)
+        thread.start()
+        until(lambda: agent.passes >= 1, "no pass")
+        agent.stop()
+        thread.join(WAIT)
+        assert not thread.is_alive()
+        assert not [p for p in _open_under(tmp_path) if p.endswith(".ko")]
+    finally:
+        node.kernel.uevent_source.close()

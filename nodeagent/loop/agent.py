@@ -145,6 +145,7 @@ class Agent:
     def close(self) -> None:
         """Release an agent driven by ``run_pass`` (``run`` releases its own at the end)."""
         self.workers.close(0.0)
+        self.observer.close()  # the .ko descriptors its parse cache keeps
         self.poke.close()
         self.plans_ended.close()
 
@@ -245,6 +246,7 @@ class Agent:
         for side in self.sides.values():
             side.close()
         self.record({"kind": "stop"})
+        self.observer.close()  # the .ko descriptors its parse cache keeps
         self.poke.close()
         self.plans_ended.close()
 
