@@ -337,9 +337,7 @@ class FileWatch:
         end = time.monotonic() + within_s
         while self._writing and self._fd >= 0:
             left = end - time.monotonic()
-            poller = select.poll()  # (not select: descriptors past 1023)
-            poller.register(self._fd, select.POLLIN)
-            if left <= 0 or not poller.poll(left * 1000):
+            if left <= 0 or not readable([self], left):
                 break
             self._read_queued()
         self._writing.clear()  # (what was not closed in time: the pass sees it as it is)

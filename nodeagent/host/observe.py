@@ -120,9 +120,9 @@ class Observer:
         self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
         self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
         self._deps: Memo | None = None  # during observe(): each modules.dep read once
-        # (id of a cached parse, path, name) -> (that parse, its DiskModule); cleared with
-        # the parse cache (the parse is kept in the entry: its id is not reused meanwhile).
-        self._disk_made: dict[tuple[int, str, str], tuple[ModuleFile, DiskModule]] = {}
+        # (path, name) -> (the parse it was made from, its DiskModule): made again when the
+        # parse cache gives another parse; cleared with that cache.
+        self._disk_made: dict[tuple[str, str], tuple[ModuleFile, DiskModule]] = {}
 
     # -- loaded modules -----------------------------------------------------
 
@@ -225,10 +225,9 @@ class Observer:
                 return DiskModule(name=name, path=rel, problem=parsed)
             # The same parse gives the same DiskModule: kept with it, not rebuilt per pass
             # (its CRC tables are copied into read-only mappings: thousands on a real node).
-            made = self._disk_made.get((id(parsed), rel, name))
+            made = self._disk_made.get((rel, name))
             if made is None or made[0] is not parsed:
-                made = (parsed, disk_module(parsed, rel, name))
-                self._disk_made[(id(parsed), rel, name)] = made
+                made = self._disk_made[(rel, name)] = (parsed, disk_module(parsed, rel, name))
             return made[1]
         return DiskModule(
             name=name, path=None, problem=f"not in modules.dep under {' or '.join(dirs)}"
