@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 ENTRYPOINT = "/usr/local/bin/nvidia-driver"
 SCRIPT = "#!/bin/sh\nread x\n"
@@ -57,6 +59,23 @@ def build_lower(lower: Path, tools: list[str]) -> None:
         script.chmod(0o755)
 
 
+def driver_image(lower: Path, entry: str, kver: str, modules: Mapping[str, Path]) -> None:
+    """A GPU driver image layer: kmod's tools under ``/usr/sbin``, ``entry`` as its
+    entrypoint script, and ``modules`` (a path under ``lib/modules/<kver>/`` -> a built
+    ``.ko``) with the ``modules.dep`` its own ``depmod`` writes."""
+    kmod = shutil.which("kmod") or "/usr/bin/kmod"
+    build_lower(lower, [kmod])
+    (lower / ENTRYPOINT.lstrip("/")).write_text(entry)
+    (lower / "usr/sbin").mkdir(parents=True, exist_ok=True)
+    for n in ("modprobe", "insmod", "modinfo", "depmod"):
+        os.symlink(kmod, lower / "usr/sbin" / n)
+    tree = lower / f"lib/modules/{kver}"
+    for rel, ko in modules.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ko, tree / rel)
+    subprocess.run(["chroot", str(lower), "/usr/sbin/depmod", kver], check=True)
+
+
 @dataclass
 class Container:
     proc: subprocess.Popen[bytes]
@@ -89,6 +108,7 @@ def start(
     drop_sys_module: bool = False,
     user_namespace: bool = False,
     flip_to_tmpfs: bool = False,
+    output: IO[bytes] | None = None,
 ) -> Container:
     """A container start: a new overlay (its own upper/work under ``top``), entered.
 
@@ -97,7 +117,8 @@ def start(
     (``unshare -U -r``: a full capability set, relative to that namespace);
     ``flip_to_tmpfs``: a tmpfs holding a copy of the image is mounted at ``/flip`` in its
     namespace, and the first line on its stdin makes it ``exec chroot /flip``: its root
-    becomes that tmpfs, same pid (a process flipping its root under a scanner)."""
+    becomes that tmpfs, same pid (a process flipping its root under a scanner);
+    ``output``: where its stdout and stderr go (the container's log), inherited otherwise."""
     n = len(list(top.glob("start-*")))
     base = top / f"start-{n}"
     upper, work, merged = base / "u", base / "w", base / "m"
@@ -117,5 +138,7 @@ def start(
     proc = subprocess.Popen(
         ["unshare", *userns, "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv],
         stdin=subprocess.PIPE,
+        stdout=output,
+        stderr=None if output is None else subprocess.STDOUT,
     )
     return Container(proc, merged)

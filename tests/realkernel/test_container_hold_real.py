@@ -36,7 +36,7 @@ from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.hold import Responder
 
 from .. import containerroot, waiting
-from ..containerroot import ENTRYPOINT, Container
+from ..containerroot import Container
 from .modbuild import KModule, symbol_provider, symbol_user
 
 pytestmark = pytest.mark.realkernel
@@ -111,18 +111,15 @@ def rig(built_modules: Callable[[KModule], Path], tmp_path: Path) -> Iterator[Ri
     top.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(top)], check=True)
     lower = top / "lower"
-    kmod = shutil.which("kmod") or "/usr/bin/kmod"
-    containerroot.build_lower(lower, [kmod])
-    (lower / ENTRYPOINT.lstrip("/")).write_text(ENTRY)
-    (lower / "usr/sbin").mkdir(parents=True, exist_ok=True)
-    for n in ("modprobe", "insmod", "modinfo", "depmod"):
-        os.symlink(kmod, lower / "usr/sbin" / n)
-    mods = lower / f"lib/modules/{kver}/kernel/drivers"
-    (mods / "video").mkdir(parents=True)
-    (mods / "infiniband/core").mkdir(parents=True)
-    shutil.copy(built_modules(PEER), mods / "video/nvidia-peermem.ko")
-    shutil.copy(built_modules(INBOX), mods / "infiniband/core/ib_core.ko")
-    subprocess.run(["chroot", str(lower), "/usr/sbin/depmod", kver], check=True)
+    containerroot.driver_image(
+        lower,
+        ENTRY,
+        kver,
+        {
+            "kernel/drivers/video/nvidia-peermem.ko": built_modules(PEER),
+            "kernel/drivers/infiniband/core/ib_core.ko": built_modules(INBOX),
+        },
+    )
     mofed_ko = tmp_path / "mofed-ib_core.ko"
     shutil.copy(built_modules(MOFED), mofed_ko)
     _unload()
