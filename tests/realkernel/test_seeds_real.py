@@ -240,7 +240,7 @@ class Node:
     starts: Path = TOP / "starts"
     dmesg_from: int = 0
     gpu: list[tuple[Container, Path]] = field(default_factory=list)
-    mofed: Mofed | None = None
+    mofeds: list[Mofed] = field(default_factory=list)
 
     def boot(self) -> None:
         """The inbox stack loaded, as PCI enumeration loads it; no ready flag (/run is new)."""
@@ -250,9 +250,10 @@ class Node:
         BLACKLIST.unlink(missing_ok=True)
 
     def start_mofed(self) -> Mofed:
+        """A MOFED container start (a restart is another start, with its own log)."""
         script = TOP / "mofed-entrypoint"
         script.write_text(MOFED_ENTRY)
-        log = TOP / "mofed.log"
+        log = TOP / f"mofed-{len(self.mofeds)}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 ["unshare", "-m", "--propagation", "private", "sh", str(script)],
@@ -260,9 +261,10 @@ class Node:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        self.mofed = Mofed(proc, log)
-        until(lambda: self.mofed is not None and self.mofed.said("Unsetting"), "MOFED started")
-        return self.mofed
+        mofed = Mofed(proc, log)
+        self.mofeds.append(mofed)
+        until(lambda: mofed.said("Unsetting"), "MOFED started")
+        return mofed
 
     def start_gpu(self) -> Container:
         """A driver pod start: its init container's wait (v0.9: any mlx5_core), then the
@@ -337,8 +339,8 @@ def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
     finally:
         for c, _log in node.gpu:
             c.stop()
-        if node.mofed is not None:
-            node.mofed.stop()
+        for mofed in node.mofeds:
+            mofed.stop()
         _unload_ours()
         READY.unlink(missing_ok=True)
         BLACKLIST.unlink(missing_ok=True)
@@ -429,6 +431,82 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
                 row["agent_exit"] = agent.stop()
                 row["agent_log_tail"] = agent.tail()
     return row
+
+
+UNLOAD_FAILED = "Unloading HCA driver: [FAILED]"
+
+
+def replay_restart_over_peermem(
+    built: Callable[[KModule], Path], with_agent: bool
+) -> dict[str, Any]:
+    """Seeds 000-002, the other half: MOFED restarts its stack (a driver upgrade, a pod
+    restart) on a healthy node where ``nvidia_peermem`` is loaded and idle; ``openibd``'s
+    unload of ``ib_core`` meets it. A row: MOFED's exits and words, what is loaded at the end."""
+    row: dict[str, Any] = {"seed": "000-002 MOFED restart, peermem idle", "agent": with_agent}
+    agent = GuestAgent() if with_agent else None
+    with seed_node(built) as node:
+        try:
+            # Healthy: MOFED's stack, its flag, nvidia and peermem on MOFED's ib_core.
+            subprocess.run(["modprobe", "-d", str(MOFED_ROOT), "mlx5_ib"], check=True)
+            READY.write_text("")
+            for name in ("nvidia", "nvidia-peermem"):
+                subprocess.run(["modprobe", "-d", str(GPU_ROOT), name], check=True)
+            if agent is not None:
+                agent.start()
+                agent.until(lambda: agent.verdict("peermem") == "open", "the gate open")
+            for start in range(1 + RESTARTS):
+                mofed = node.start_mofed()  # its flag removed: MOFED is restarting
+                if agent is not None and start == 0:  # its build lasts minutes on a node
+                    until(lambda: "nvidia_peermem" not in _loaded(), "the idle peermem unloaded")
+                mofed.step()  # build done: blacklist, unload
+                until(
+                    lambda m=mofed: m.said("HCA driver unloaded") or m.proc.poll() is not None,  # type: ignore[misc]
+                    "MOFED's unload",
+                )
+                if mofed.said("HCA driver unloaded"):
+                    mofed.step()  # insert, flag
+                    until(lambda m=mofed: m.said("Setting driver ready state"), "MOFED ready")  # type: ignore[misc]
+                    break
+            row["mofed_exits"] = sum(1 for m in node.mofeds if m.proc.poll() not in (None, 0))
+            words = [
+                line for m in node.mofeds for line in m.log.read_text(errors="replace").splitlines()
+            ]
+            row["mofed_words"] = [
+                w for w in words if "rmmod" in w or "[FAILED]" in w or "ready state" in w
+            ]
+            row["mofed_ready"] = any("Setting driver ready state" in w for w in words)
+            if agent is not None:
+                agent.until(lambda: "nvidia_peermem" in _loaded(), "the agent loaded peermem back")
+            loaded = _loaded()
+            row["peermem_loaded"] = "nvidia_peermem" in loaded
+            row["ib_core"] = loaded.get("ib_core")
+        finally:
+            if agent is not None:
+                row["agent_exit"] = agent.stop()
+                row["agent_log_tail"] = agent.tail()
+    return row
+
+
+def test_mofed_restart_without_the_agent_openibd_fails_on_an_idle_peermem(
+    built_modules: Callable[[KModule], Path],
+) -> None:
+    row = replay_restart_over_peermem(built_modules, with_agent=False)
+    print(json.dumps(row, indent=1))
+    assert row["mofed_exits"] == 1 + RESTARTS and not row["mofed_ready"], row
+    assert "rmmod: ERROR: Module ib_core is in use by: nvidia_peermem" in row["mofed_words"], row
+    assert any(UNLOAD_FAILED in w for w in row["mofed_words"]), row
+    assert row["peermem_loaded"], row  # still there: what openibd's unload met
+
+
+def test_mofed_restart_with_the_agent_peermem_steps_aside_and_comes_back(
+    built_modules: Callable[[KModule], Path],
+) -> None:
+    row = replay_restart_over_peermem(built_modules, with_agent=True)
+    print(json.dumps(row, indent=1))
+    assert row["mofed_exits"] == 0 and row["mofed_ready"], row
+    assert not any("rmmod" in w or "[FAILED]" in w for w in row["mofed_words"]), row
+    assert row["peermem_loaded"] and row["ib_core"] == "mofed", row
+    assert row["agent_exit"] == 0, row["agent_log_tail"]
 
 
 def test_kernel_upgrade_race_without_the_agent_the_kernel_refuses_peermem(
