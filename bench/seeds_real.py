@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO))
 from tests.realkernel import modbuild, vm  # noqa: E402
 from tests.realkernel import setup as rksetup  # noqa: E402
 from tests.realkernel import test_seeds_real as upgrade  # noqa: E402
+from tests.realkernel import test_seeds_storage_real as storage  # noqa: E402
+from tests.realkernel import test_seeds_vf_real as vf  # noqa: E402
 
 MARK = "SEEDS-ROWS "
 AGENT_RUN = "nodeagent run --config deploy/components/peermem-hold/agent.toml --mode enforce"
@@ -44,6 +46,8 @@ def replays() -> list[tuple[str, Replay, tuple[modbuild.KModule, ...]]]:
     return [
         ("upgrade", upgrade.replay_upgrade, upgrade.BUILDS),
         ("restart", upgrade.replay_restart_over_peermem, upgrade.BUILDS),
+        ("storage", lambda _built, with_agent: storage.replay_storage(with_agent), ()),
+        ("vf", lambda _built, with_agent: vf.replay_vf_restore(with_agent), ()),
     ]
 
 

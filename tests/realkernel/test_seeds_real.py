@@ -144,7 +144,9 @@ read x
 
 # The MOFED container's entrypoint around openibd restart. Its steps wait for the test's
 # word where the seeds spend minutes (the build; the insert, timed against the GPU load).
-MOFED_ENTRY = f"""#!/bin/sh
+# Every MOFED entrypoint's start: its flock on .lock, held to its exit (as the shipped
+# entrypoint's), the blacklist removed at exit (its EXIT trap), the ready flag removed.
+MOFED_PROLOGUE = f"""#!/bin/sh
 D={MOFED_ROOT}
 say() {{ echo "[mofed] $*"; }}
 exec 9>"$D/.lock"
@@ -152,7 +154,10 @@ flock 9
 trap 'rm -f {BLACKLIST}' EXIT
 say "Unsetting driver ready state"
 rm -f "$D/.driver-ready"
-read built || exit 0
+"""
+MOFED_ENTRY = (
+    MOFED_PROLOGUE
+    + f"""read built || exit 0
 say "openibd restart: Unloading HCA driver"
 printf 'blacklist mlx5_core\\nblacklist mlx5_ib\\nblacklist ib_core\\n' > {BLACKLIST}
 for m in mlx5_ib ib_uverbs mlx5_core ib_core; do
@@ -172,6 +177,7 @@ say "Loading HCA driver and Access Layer: [  OK  ]"
 say "Setting driver ready state"
 read stop
 """
+)
 
 
 def _loaded() -> dict[str, str]:
@@ -230,6 +236,25 @@ class Mofed:
                 self.proc.wait()
 
 
+def start_mofed(entrypoint: str, top: Path, starts: list[Mofed]) -> Mofed:
+    """A MOFED container start: ``entrypoint`` (a shell script) in a mount namespace of its
+    own, its log ``top/mofed-<n>.log``; appended to ``starts``, returned once it began."""
+    script = top / "mofed-entrypoint"
+    script.write_text(entrypoint)
+    log = top / f"mofed-{len(starts)}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "sh", str(script)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    mofed = Mofed(proc, log)
+    starts.append(mofed)
+    waiting.until(lambda: mofed.said("Unsetting"), "MOFED started", WAIT)
+    return mofed
+
+
 @dataclass
 class Node:
     """The guest as a GPU node: trees, the containers started so far, the kernel log."""
@@ -251,20 +276,7 @@ class Node:
 
     def start_mofed(self) -> Mofed:
         """A MOFED container start (a restart is another start, with its own log)."""
-        script = TOP / "mofed-entrypoint"
-        script.write_text(MOFED_ENTRY)
-        log = TOP / f"mofed-{len(self.mofeds)}.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                ["unshare", "-m", "--propagation", "private", "sh", str(script)],
-                stdin=subprocess.PIPE,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        mofed = Mofed(proc, log)
-        self.mofeds.append(mofed)
-        until(lambda: mofed.said("Unsetting"), "MOFED started")
-        return mofed
+        return start_mofed(MOFED_ENTRY, TOP, self.mofeds)
 
     def start_gpu(self) -> Container:
         """A driver pod start: its init container's wait (v0.9: any mlx5_core), then the
