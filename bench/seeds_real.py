@@ -115,15 +115,31 @@ def measures(row: dict[str, Any]) -> dict[str, str]:
     return {label: how(row[key]) for key, label, how in MEASURES if key in row}
 
 
+# The lines that say what failed, in the tools' and MOFED's own words.
+TOOL_NEEDLES = (
+    "modprobe: ERROR",
+    "rmmod: ERROR",
+    "Storage modules are loaded",
+    "VF restore failed",
+)
+
+
 def words(row: dict[str, Any]) -> list[str]:
     """What the kernel, the tools and the agent said, in their own words."""
     out = []
-    kernel = _words(row.get("kernel_words", []), "disagrees about version", "Unknown symbol")
+    kernel = _words(
+        row.get("kernel_words", []),
+        "disagrees about version",
+        "Unknown symbol",
+        "mount(2)",
+        "Registered rdma transport",
+    )
     if kernel:
         out.append(f"the kernel: {kernel}")
-    for line in row.get("tool_words", [])[:1]:
-        out.append(f"the tools: {line}")
-    mofed = _words(row.get("mofed_words", []), "rmmod: ERROR", "Storage modules are loaded")
+    tools = _words(row.get("tool_words", []), *TOOL_NEEDLES)
+    if tools:
+        out.append(f"the tools: {tools}")
+    mofed = _words(row.get("mofed_words", []), *TOOL_NEEDLES)
     if mofed:
         out.append(f"MOFED: {mofed}")
     for h in row.get("held", [])[:1]:

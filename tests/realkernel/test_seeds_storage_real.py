@@ -39,7 +39,7 @@ from .test_storage_real import HOLD, LOCK, MOFED, READY, STORAGE, _force_back, _
 
 pytestmark = pytest.mark.realkernel
 
-SEED = "004"
+SEED = "004 NFS over RDMA before MOFED"
 # Soft-RoCE on a dummy netdev; the NFS "server" is the netdev's own address, where
 # nothing listens on 20049: the kernel loads the transport, then the connection is refused.
 NETDEV, RXE = "na_seed0", "na_seedrxe0"
