@@ -64,6 +64,7 @@ exec 9>"$d/.lock"
 flock -n 9 || { echo "another MOFED holds $d/.lock, exiting"; exit 1; }
 echo "Unsetting driver ready state"
 rm -f "$d/.driver-ready"
+sleep 1.7  # the entrypoint's own steps before its check: ~1.7 s in seed 004's log
 storage_modules_loaded=$(lsmod | egrep 'ib_isert|nvme_rdma|nvmet_rdma|rpcrdma|xprtrdma|ib_srpt' -c)
 if [ "$storage_modules_loaded" != 0 ]; then
     printf '%s %s\n' 'Storage modules are loaded for current driver, terminating prior driver' \
@@ -76,10 +77,11 @@ echo "Current mlx5_core driver version: seed-004; setting driver ready state"
 touch "$d/.driver-ready"
 """
 RESTARTS = 3  # the kubelet's restarts of a refusing pod, without the agent
-# With the agent: each attempt checks at once after taking the lock (the real entrypoint
-# holds it ~1.7 s first, seed 004's log) and the agent, never woken by a flock, sees
-# MOFED pending only if a pass reads /proc/locks meanwhile: under TCG about one attempt
-# in two. The kubelet keeps restarting; this many restarts makes a miss of all unlikely.
+# With the agent: each attempt checks ~1.7 s after taking the lock, as the real entrypoint
+# does (seed 004's log). The agent, never woken by a flock, sees MOFED pending only if a
+# pass reads /proc/locks in that window: on the pod's first start the lock file's creation
+# wakes one; a restart reopening it wakes none (docs/design.md, the storage guard's
+# residual). The kubelet keeps restarting; this many restarts makes a miss of all unlikely.
 RESTARTS_AGENT = 10
 WAIT = 240.0  # a hang detector under TCG (~20x slower; the agent's passes take seconds)
 
