@@ -89,6 +89,12 @@ class Container:
         """``argv`` run inside: the container's mount namespace and root."""
         return ["nsenter", "-t", str(self.pid), "-m", "-r", *argv]
 
+    def send(self, line: str) -> None:
+        """A line on its stdin (an entrypoint that waits on ``read`` goes on)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None

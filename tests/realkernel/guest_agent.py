@@ -29,6 +29,11 @@ TIMELINE = Path("/var/lib/nodeagent/timeline.jsonl")
 WAIT = 120.0  # a hang detector under TCG: the agent's start (imports) takes seconds there
 
 
+def _remove_state() -> None:
+    for leftover in (STATUS.parent, TIMELINE.parent):
+        subprocess.run(["rm", "-rf", "--", str(leftover)], check=True)
+
+
 class GuestAgent:
     def __init__(self, config: Path = HOLD_CONFIG, log: Path = Path("/tmp/nodeagent.log")) -> None:
         self.config = config
@@ -38,8 +43,7 @@ class GuestAgent:
     def start(self) -> GuestAgent:
         """A fresh agent: the state and timeline of an earlier one removed first (a fresh
         node), then ``nodeagent run``; returns once its first pass wrote status."""
-        for leftover in (STATUS.parent, TIMELINE.parent):
-            subprocess.run(["rm", "-rf", "--", str(leftover)], check=True)
+        _remove_state()
         env = {
             **os.environ,
             "NODEAGENT_HOST_ROOT": "/",
@@ -116,7 +120,8 @@ class GuestAgent:
             return "(no log)"
 
     def stop(self) -> int | None:
-        """SIGTERM, as the kubelet stops a pod; its exit code."""
+        """SIGTERM, as the kubelet stops a pod; its exit code. Its state and timeline are
+        removed then: the guest's other tests run agents on the same ``/run``."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -126,4 +131,5 @@ class GuestAgent:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        _remove_state()
         return self.proc.returncode

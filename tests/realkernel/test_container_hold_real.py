@@ -59,13 +59,6 @@ read x
 """
 
 
-def _go(c: Container) -> None:
-    """The install is done: the entrypoint goes on to its modprobe."""
-    assert c.proc.stdin is not None
-    c.proc.stdin.write(b"go\n")
-    c.proc.stdin.flush()
-
-
 def _loaded(name: str) -> bool:
     return any(line.split()[0] == name for line in Path("/proc/modules").read_text().splitlines())
 
@@ -165,7 +158,7 @@ def _one_start(rig: Rig, n: int) -> None:
     assert root.dev == os.stat(f"/proc/{c.pid}/root").st_dev
     # Its own modprobe, once its install is done, waits: on the inbox ib_core first,
     # the dependency modprobe inserts before it opens nvidia-peermem.
-    _go(c)
+    c.send("go")  # the install is done: on to its modprobe
     until(rig.responder.held, f"start {n}: the container's modprobe was not held")
     ((_pid, opener, path, _),) = rig.responder.held()
     assert opener == "modprobe" and path.endswith("kernel/drivers/infiniband/core/ib_core.ko")
@@ -201,7 +194,7 @@ def test_without_the_dependency_hold_the_inbox_module_goes_in_first(rig: Rig) ->
     the inbox provider in at once — what the mark and the dependency hold prevent above."""
     rig.scanner.stop()
     c = rig.start()
-    _go(c)
+    c.send("go")  # the install is done: on to its modprobe
     until(lambda: _rc(c) is not None, "the unmarked container's modprobe did not finish")
     assert _rc(c) == "0" and _version(INBOX.name) == "inbox"
     assert rig.responder.counts["held"] == 0

@@ -296,30 +296,24 @@ class Node:
         return [line for line in _kernel_lines(self.dmesg_from) if any(w in line for w in words)]
 
 
-def _go(c: Container) -> None:
-    assert c.proc.stdin is not None
-    c.proc.stdin.write(b"go\n")
-    c.proc.stdin.flush()
-
-
 def until(pred: Callable[[], object], what: str) -> None:
     waiting.until(pred, what, WAIT)
 
 
-def _build_trees(kver: str, built: Callable[[KModule], Path]) -> None:
+def _build_trees(node: Node) -> None:
     """MOFED's tree (its ``updates/``) and the GPU driver image (its tree, with the kernel's
     own ``ib_core``), each with its modules.dep; the image is also where the agent reads
     the GPU driver's root (the operator bind-mounts the container's root there)."""
+    kver, built = node.kver, node.built
     updates = MOFED_ROOT / f"lib/modules/{kver}/updates"
     updates.mkdir(parents=True, exist_ok=True)
     for name, spec in MOFED.items():
         shutil.copy(built(spec), updates / f"{name}.ko")
     subprocess.run(["depmod", "-b", str(MOFED_ROOT), kver], check=True)
 
-    lower = TOP / "gpu-image"
     drivers = "kernel/drivers"
     containerroot.driver_image(
-        lower,
+        node.lower,
         GPU_ENTRY,
         kver,
         {
@@ -329,7 +323,7 @@ def _build_trees(kver: str, built: Callable[[KModule], Path]) -> None:
         },
     )
     GPU_ROOT.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(lower), str(GPU_ROOT)], check=True)
+    subprocess.run(["mount", "--bind", str(node.lower), str(GPU_ROOT)], check=True)
 
 
 @contextlib.contextmanager
@@ -346,7 +340,7 @@ def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
     (TOP / "starts").mkdir()
     node = Node(kver, built, dmesg_from=_dmesg_count())
     try:
-        _build_trees(kver, built)
+        _build_trees(node)
         yield node
     finally:
         for c, _log in node.gpu:
@@ -398,7 +392,7 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
                 lambda: mofed.said("HCA driver unloaded") or mofed.proc.poll() is not None, "unload"
             )
             assert mofed.said("HCA driver unloaded"), mofed.log.read_text()
-            _go(gpu)  # the driver's build done: its loads, mid-restart
+            gpu.send("go")  # the driver's build done: its loads, mid-restart
             if agent is None:
                 until(lambda: _exited(gpu) is not None, "the driver container's load ended")
             else:
@@ -413,7 +407,7 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
             if agent is None:
                 for _ in range(RESTARTS):  # CrashLoopBackOff: the kubelet starts it again
                     again = node.start_gpu()
-                    _go(again)
+                    again.send("go")
                     until(
                         lambda c=again: _exited(c) is not None,  # type: ignore[misc]
                         "the restarted container's load ended",

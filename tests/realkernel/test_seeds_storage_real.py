@@ -33,8 +33,9 @@ import pytest
 from tests import waiting
 from tests.kobuild import require_tool
 
-from .guest_agent import STATUS, TIMELINE, GuestAgent
+from .guest_agent import GuestAgent
 from .test_kmod_real import _loaded
+from .test_seeds_real import _kernel_lines
 from .test_storage_real import HOLD, LOCK, MOFED, READY, STORAGE, _force_back, _run
 
 pytestmark = pytest.mark.realkernel
@@ -106,12 +107,6 @@ def nfs_rdma_mount() -> str:
     libc = _libc()
     rc = libc.mount(f"{ADDR}:/shared".encode(), bytes(MOUNT_POINT), b"nfs", 0, MOUNT_DATA.encode())
     return os.strerror(ctypes.get_errno()) if rc != 0 else ""
-
-
-def _dmesg() -> list[str]:
-    p = _run("dmesg")
-    assert p.returncode == 0, p.stderr
-    return p.stdout.splitlines()
 
 
 def _refcnt(name: str) -> int | None:
@@ -190,7 +185,7 @@ def replay_storage(with_agent: bool, restarts: int | None = None) -> dict[str, A
     for path in flags:
         path.unlink(missing_ok=True)
     row: dict[str, Any] = {"seed": SEED, "agent": with_agent}
-    dmesg_before = len(_dmesg())
+    dmesg_before = len(_kernel_lines(0))
     agent: GuestAgent | None = None
     mount_errors: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,17 +244,14 @@ def replay_storage(with_agent: bool, restarts: int | None = None) -> dict[str, A
             if agent is not None:
                 row["agent_verdicts"], row["agent_done"] = _agent_rows(agent)
             row["mount_errors"] = mount_errors
-            new = _dmesg()[dmesg_before:]
+            new = _kernel_lines(dmesg_before)
             row["kernel_words"] = [
                 *(f"mount(2): {e}" for e in dict.fromkeys(mount_errors)),
                 *(line.split("] ", 1)[-1] for line in new if KERNEL_WORDS.search(line)),
             ]
         finally:
             if agent is not None:
-                row["agent_exit"] = agent.stop()
-                # Its state and timeline: a later test's agent starts from a fresh node.
-                for d in (STATUS.parent, TIMELINE.parent):
-                    _run("rm", "-rf", "--", str(d))
+                row["agent_exit"] = agent.stop()  # (its state and timeline removed)
             _libc().umount2(bytes(MOUNT_POINT), 2)  # MNT_DETACH; only if a mount worked
             with contextlib.suppress(OSError):
                 MOUNT_POINT.rmdir()
