@@ -224,10 +224,16 @@ def cmd_explain(files: list[str], as_json: bool) -> int:
         return EXIT_OK
     incidents = report["incidents"]
     print(f"{len(incidents) or 'nothing'} recognised in {report['lines']} lines of {read} input(s)")
+    node = None
     for inc in incidents:
+        if inc.get("node") != node:
+            node = inc.get("node")
+            print(f"\n== node {safe(node)}")
         print(f"\n{inc['kind']}: {inc['title']}")
         for e in inc["evidence"]:
             print(f"  {safe(e['file'])}:{e['line']}: {safe(e['text'])}")
+        for note in inc.get("notes", []):
+            print(f"  note: {note}")
         print(f"  remedy: {inc['remedy']}")
         if inc["prevented_by"]:
             print(
@@ -236,8 +242,6 @@ def cmd_explain(files: list[str], as_json: bool) -> int:
         if inc["not_prevented_by"]:
             print(f"  not prevented in: {', '.join(inc['not_prevented_by'])}")
         print(f"  known from: {'; '.join(inc['sources'])}")
-    for note in report.get("ambiguous", []):
-        print(f"\nambiguous: {note}")
     seen = report.get("seen")
     if seen:
         if seen["modules"]:

@@ -1,15 +1,29 @@
 """``nodeagent explain``: name the race from the logs an admin already has. Pure.
 
-One table (``SIGNATURES``) says which log lines are evidence of what, each with
-the seed or public report it came from; one table (``INCIDENTS``) says which
-evidence makes an incident, its remedy in operator words, and which deployment
-modes of ``deploy/README.md`` would have prevented it with nodeagent. Adding a
-class is an entry in each and its test.
+Three parts, each in one place:
 
-Lines are matched after ``normalize`` takes off what tools put in front of
-them: ``kubectl logs --timestamps`` (RFC 3339), ``dmesg`` (``[  12.345678]``)
-and ``dmesg -T`` (``[Tue Sep  8 17:16:02 2026]``), ``journalctl``
-(``Nov 21 11:51:41 host kernel: ``), CR and ANSI colour codes.
+- ``SIGNATURES``: which log lines are evidence of what, each citing the source
+  of its words (the kernel's module loader, kmod, ``openibd``, the operators'
+  containers) or the seed it came from. A form may name fields (``module``,
+  ``symbol``, ``err``) that the rules read.
+- ``classify``: the rules that turn one node's evidence into incidents. The
+  peermem family is decided per failed load: a "disagrees" line and an
+  ``Invalid argument`` from the same load (the same file within
+  ``SAME_LOAD_LINES`` lines, or stamps within ``SAME_LOAD_S``) are an ABI
+  mismatch; an ``Invalid argument`` while MOFED's log shows a restart under way
+  is the load race; one with neither is its own kind, which names both causes.
+- ``INCIDENTS``: each kind's title, remedy in operator words, and which
+  deployment modes of ``deploy/README.md`` would have prevented it.
+
+Lines are matched after ``split`` takes off what tools put in front of them
+(``kubectl logs --timestamps``, ``dmesg``, ``dmesg -T``, ``journalctl``, CR,
+ANSI colour) and keeps the time it says; a line with none inherits the last
+time its file said within ``INHERIT_LINES`` lines. Times are compared only on
+one clock: wall clock (seconds into the year: a journal line has no year, and
+each tool's zone is taken as the same) or seconds since boot (``dmesg``).
+
+Evidence is kept per node: a bundle (``host/bundle.py``) says which node a file
+is about, loose files are one node, and no rule correlates two nodes' lines.
 
 Every pattern runs in time linear in the line (a line is at most ``LINE_MAX``
 characters, and anyone can write one into the journal with ``logger``): no two
@@ -27,44 +41,114 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+LINE_MAX = 4096  # what is kept of a line (a 10 MB line is cut, not held)
+SAME_LOAD_LINES = 20  # a kernel line this near a failed insert, in one file: the same load
+SAME_LOAD_S = 2.0  # or stamped this near it
+INHERIT_LINES = 10  # a line without a time takes its file's last one, this near
+WINDOW_SLACK_S = 5.0  # around a restart window: the two tools' clocks and flushes
+KEEP = 200  # evidence lines kept per signature and node (for the rules; bounded)
+SHOW = 8  # evidence lines shown per incident
+
+_MONTH_NAMES = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MONTHS = {m: i for i, m in enumerate(_MONTH_NAMES)}
+_DAYS_BEFORE = (0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334)
+
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Each prefix keeps its time in named groups: a month (number or name), day, H:M:S, or
+# seconds since boot.
 _PREFIXES = (
-    re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)\s+"),  # kubectl
-    re.compile(r"^\[\s*\d+\.\d+\]\s*"),  # dmesg
-    re.compile(r"^\[[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}\]\s*"),  # dmesg -T
+    # kubectl --timestamps (RFC 3339); journalctl -o short-iso
+    re.compile(
+        r"^\d{4}-(?P<mon>\d\d)-(?P<day>\d\d)T(?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)?"
+        r"(?:Z|[+-]\d\d:?\d\d)\s+"
+    ),
+    re.compile(r"^\[\s*(?P<boot>\d+\.\d+)\]\s*"),  # dmesg
+    # dmesg -T
+    re.compile(
+        r"^\[[A-Z][a-z]{2} (?P<mname>[A-Z][a-z]{2}) (?P<day>[ \d]\d) (?P<hms>\d\d:\d\d:\d\d) "
+        r"\d{4}\]\s*"
+    ),
     # journal; ++: a run given back never lets the rest match (it stops at the space,
     # or at the ':' that ends the prefix)
-    re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \S++ [^:\s]++(?:\[\d+\])?:\s*"),
+    re.compile(
+        r"^(?P<mname>[A-Z][a-z]{2}) (?P<day>[ \d]\d) (?P<hms>\d\d:\d\d:\d\d) \S++ "
+        r"[^:\s]++(?:\[\d+\])?:\s*"
+    ),
 )
-# Cheap before any per-line work: a chunk without one of these words (lower-cased) has
-# no evidence. Plain substring tests: a case-insensitive regex alternation runs at
-# ~20 MB/s, bytes.lower() and `in` at hundreds.
-PREFILTER_WORDS = (
-    b"peermem",
-    b"storage modules",
-    b"is in use",
-    b"cannot find device",
-    b"restore",
-    b"openibd",
-    b"driver ready state",
-    b"/net not found",
-    b"/net/ not found",
+# Times a tool writes inside its line (kept, not taken off): MOFED's and the DOCA driver
+# container's "[26-Sep-24_05:02:12]", logrus' time="2025-11-21T11:51:41Z", klog's
+# "I1121 11:51:41.123456".
+_INLINE_TIMES = (
+    re.compile(r"^\[(?P<day>\d\d)-(?P<mname>[A-Z][a-z]{2})-\d\d_(?P<hms>\d\d:\d\d:\d\d)\]"),
+    re.compile(r"\btime=\"?\d{4}-(?P<mon>\d\d)-(?P<day>\d\d)T(?P<hms>\d\d:\d\d:\d\d)"),
+    re.compile(r"^[IWEF](?P<mon>\d\d)(?P<day>\d\d) (?P<hms>\d\d:\d\d:\d\d)\.\d+ "),
 )
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """A time a line said: ``clock`` "wall" (seconds into the year) or "boot"."""
+
+    clock: str
+    t: float
+
+
+def _stamp(m: re.Match[str]) -> Stamp | None:
+    g = m.groupdict()
+    if g.get("boot"):
+        return Stamp("boot", float(g["boot"]))
+    month = int(g["mon"]) - 1 if g.get("mon") else _MONTHS.get(g.get("mname") or "", -1)
+    if not 0 <= month < 12:
+        return None
+    h, mi, s = (int(x) for x in g["hms"].split(":"))
+    day = int(g["day"])
+    return Stamp("wall", ((_DAYS_BEFORE[month] + day - 1) * 24 + h) * 3600 + mi * 60 + s)
+
+
+def split(line: str) -> tuple[str, Stamp | None]:
+    """The line as the tool wrote it (prefixes, colour and CR off) and the time it says."""
+    line = _ANSI.sub("", line.rstrip("\r\n")).replace("\r", "")
+    stamp = None
+    for prefix in _PREFIXES:
+        m = prefix.match(line)
+        if m:
+            stamp = _stamp(m) or stamp
+            line = line[m.end() :]
+    line = line.strip()
+    if stamp is None:
+        for inline in _INLINE_TIMES:
+            m = inline.search(line)
+            if m:
+                stamp = _stamp(m)
+                break
+    return line, stamp
+
+
+def normalize(line: str) -> str:
+    return split(line)[0]
+
+
+# The GPUDirect modules: nvidia_peermem (the driver's, since 465) and nv_peer_mem
+# (MLNX_OFED's before it, Mellanox/nv_peer_memory), as modprobe, the kernel and a
+# file name spell them.
+_PEERMEM = r"(?P<module>nvidia[_-]peermem|nv_peer_mem)"
+# Storage modules that sit on the RDMA stack and are built for one of its two builds
+# (inbox or MOFED): MOFED refuses to install under them (seed 004).
+_STORAGE = r"(?P<module>nvme_rdma|nvmet_rdma|rpcrdma|xprtrdma|svcrdma|ib_iser|ib_isert|ib_srpt?)"
+# What kmod and the kernel print about one module's symbols: "<mod>: ..." (the kernel),
+# "<path>/<mod>.ko ..." (depmod)
+_SYMBOL_WORDS = (
+    r"(?:\.ko)?:? (?P<how>disagrees about version of|Unknown|needs unknown) symbol "
+    r"(?P<symbol>\w+)(?: \(err (?P<err>-?\d+)\))?"
+)
+# Failed inserts: modprobe "could not insert 'mod': strerror" and insmod "could not
+# insert module path/mod.ko: strerror" (kmod tools/modprobe.c, tools/insmod.c)
+_INSERT = r"could not insert (?:module )?'?(?:[\w./-]{0,200}/)?"
 
 
 def may_have_evidence(lower: bytes) -> bool:
     """``lower``: a chunk, lower-cased (once, by the caller)."""
     return any(word in lower for word in PREFILTER_WORDS)
-
-
-LINE_MAX = 4096  # what is kept of a line (a 10 MB line is cut, not held)
-
-
-def normalize(line: str) -> str:
-    line = _ANSI.sub("", line.rstrip("\r\n")).replace("\r", "")
-    for prefix in _PREFIXES:
-        line = prefix.sub("", line, count=1)
-    return line.strip()
 
 
 @dataclass(frozen=True)
@@ -74,7 +158,7 @@ class Signature:
 
     name: str
     pattern: re.Pattern[str]
-    source: str  # the seed or public report it came from
+    source: str  # where its words come from: source file, seed or public report
     # Lower-case words one of which is in every line the pattern matches (of the line
     # lower-cased: `in` tests, far cheaper than a search): the pattern is searched only
     # in a line with one of them.
@@ -84,40 +168,55 @@ class Signature:
     # text, one scan of the path before it, not one scan per ``/sys/`` in it.
     backward: bool = False
 
-    def found_in(self, line: str, low: str) -> bool:
+    def match(self, line: str, low: str) -> re.Match[str] | None:
         """``low``: ``line.lower()`` (once per line, by the caller)."""
         for word in self.needs:
             if word in low:
-                return self.pattern.search(line[::-1] if self.backward else line) is not None
-        return False
+                return self.pattern.search(line[::-1] if self.backward else line)
+        return None
 
+    def found_in(self, line: str, low: str) -> bool:
+        return self.match(line, low) is not None
+
+
+KERNEL_MODULE = "torvalds/linux kernel/module/main.c (before 5.19: kernel/module.c)"
+KMOD = "kmod-project/kmod tools/modprobe.c, insmod.c, rmmod.c, modinfo.c, depmod.c"
 
 SIGNATURES: tuple[Signature, ...] = (
     Signature(
         "peermem-einval",
-        re.compile(r"could not insert '?nvidia[_-]peermem'?: Invalid argument"),
-        "seeds 000-002; NVIDIA/gpu-operator issue 2868",
+        re.compile(_INSERT + _PEERMEM + r"(?:\.ko)?'?: Invalid (?:argument|parameters)"),
+        f"{KMOD} (EINVAL from finit_module); seeds 000-002; NVIDIA/gpu-operator issue 2868",
         ("could not insert",),
     ),
     Signature(
-        "peermem-symbol-crc",
-        re.compile(r"nvidia[_-]peermem: disagrees about version of symbol (\w+)"),
-        "NVIDIA/gpu-operator issue 2868",
-        ("disagrees about version of symbol",),
+        "peermem-symbol",
+        re.compile(_PEERMEM + _SYMBOL_WORDS),
+        f"{KERNEL_MODULE}; {KMOD} (depmod); NVIDIA/gpu-operator issue 2868",
+        ("disagrees about version of symbol", "unknown symbol"),
     ),
     Signature(
-        "peermem-unknown-symbol",
-        # the second \w* ends the pattern: once it is reached the match is made, so the
-        # first is never re-tried against it
-        re.compile(r"nvidia[_-]peermem: Unknown symbol (\w*peer_memory\w*)"),
-        "NVIDIA/gpu-operator issue 2868 (with the CRC lines); alone: an inbox ib_core",
-        ("unknown symbol",),
+        "peermem-busy-provider",
+        re.compile(_PEERMEM + r": gave up waiting for init of module (?P<provider>\w+)"),
+        f"{KERNEL_MODULE} (resolve_symbol_wait: the provider was still loading)",
+        ("gave up waiting for init of module",),
+    ),
+    Signature(
+        "peermem-load-failed",
+        # an insert failed for another reason, or the tools around it only say it failed
+        re.compile(
+            _INSERT + _PEERMEM + r"(?:\.ko)?'?: (?P<why>[\w ,()]{1,80})"
+            r"|[Ff]ailed to (?:load|start) (?:the )?(?:nvidia-peermem|nv_peer_mem)"
+        ),
+        f"{KMOD}; NVIDIA/gpu-driver-container nvidia-driver; Mellanox/nv_peer_memory "
+        "nv_peer_mem.service",
+        ("could not insert", "failed to load", "failed to start"),
     ),
     Signature(
         "peermem-not-built",
-        re.compile(r"Module nvidia[_-]peermem not found"),
-        "NVIDIA/gpu-operator issue 2619",
-        ("peermem not found",),
+        re.compile(r"Module (?:nvidia[_-]peermem|nv_peer_mem) not found"),
+        f"{KMOD} (modprobe FATAL, modinfo ERROR); NVIDIA/gpu-operator issue 2619",
+        ("peermem not found", "peer_mem not found"),
     ),
     Signature(
         "mofed-restarting",
@@ -126,15 +225,27 @@ SIGNATURES: tuple[Signature, ...] = (
         ("unsetting driver ready state", "openibd restart", "waiting for mofed"),
     ),
     Signature(
+        "mofed-ready",
+        re.compile(r"(?<!Un)[Ss]etting driver ready state"),
+        "seed 001 (the MOFED pod)",
+        ("setting driver ready state",),
+    ),
+    Signature(
         "storage-modules-loaded",
         re.compile(r"Storage modules are loaded for current driver"),
         "seed 004; Mellanox/network-operator issue 1084",
         ("storage modules are loaded for current driver",),
     ),
     Signature(
+        "storage-symbol",
+        re.compile(r"\b" + _STORAGE + _SYMBOL_WORDS),
+        f"{KERNEL_MODULE}; {KMOD} (depmod)",
+        ("disagrees about version of symbol", "unknown symbol"),
+    ),
+    Signature(
         "module-in-use",
         re.compile(r"Module (\w+) is in use(?: by:? ?(\S+))?"),
-        "Mellanox/doca-driver-build PR 481 (openibd restart and nvidia_peermem)",
+        f"{KMOD} (rmmod); Mellanox/doca-driver-build PR 481",
         (" is in use",),
     ),
     Signature(
@@ -181,19 +292,41 @@ SIGNATURES: tuple[Signature, ...] = (
     ),
 )
 _BY_NAME = {s.name: s for s in SIGNATURES}
+
+# Cheap before any per-line work: a chunk without one of these words (lower-cased) has
+# no evidence. Plain substring tests: a case-insensitive regex alternation runs at ~20
+# MB/s, bytes.lower() and `in` at hundreds. Each signature's lines have one of them
+# (tests/test_explain_linear.py checks): not its own ``needs``, some of which ("tore")
+# are in most chunks.
+PREFILTER_WORDS = (
+    b"peermem",
+    b"peer_mem",
+    b"storage modules",
+    b"unknown symbol",
+    b"disagrees about version",
+    b"gave up waiting",
+    b"is in use",
+    b"cannot find device",
+    b"restore",
+    b"openibd",
+    b"driver ready state",
+    b"waiting for mofed",
+    b"/net not found",
+    b"/net/ not found",
+)
+
 # Module names a line that is no evidence names ("what it did see"); each has one of the words.
-_MODULES = re.compile(r"\b(nvidia\w*|mlx5_\w+|ib_\w+|rdma\w*|rpcrdma|nvme_rdma)\b")
-_MODULE_WORDS = ("nvidia", "mlx5_", "ib_", "rdma")
+_MODULES = re.compile(r"\b(nvidia\w*|nv_peer_mem|mlx5_\w+|ib_\w+|rdma\w*|rpcrdma|nvme_rdma)\b")
+_MODULE_WORDS = ("nvidia", "nv_peer", "mlx5_", "ib_", "rdma")
 
 MODES = ("operator-peermem", "operator-peermem-dm09", "host-mofed", "dma-buf")
+HOLD_MODES = ("operator-peermem-hold", "operator-peermem-dm09-hold")
 
 
 @dataclass(frozen=True)
 class Incident:
     kind: str
     title: str
-    needs: tuple[str, ...]  # every one of these signatures
-    excludes: tuple[str, ...]  # none of these (a more specific class owns them)
     remedy: str
     prevented_by: tuple[str, ...]  # deployment modes (deploy/README.md), with the agent
     not_prevented_by: tuple[str, ...]
@@ -201,40 +334,68 @@ class Incident:
 
 INCIDENTS: tuple[Incident, ...] = (
     Incident(
+        "peermem-load-race",
+        "nvidia_peermem loaded while MOFED was restarting its RDMA stack (Invalid argument)",
+        "wait for MOFED's ready flag (/run/mellanox/drivers/.driver-ready) before loading "
+        "nvidia_peermem; restarting the driver pod after MOFED is ready clears it",
+        HOLD_MODES,
+        ("operator-peermem", "operator-peermem-dm09 (nothing shipped waits on the gate)"),
+    ),
+    Incident(
         "peermem-abi-mismatch",
-        "nvidia-peermem built against another MOFED: its symbol versions disagree",
-        ("peermem-symbol-crc",),
-        (),
+        "the GPUDirect module was built against another MOFED (or GPU driver) than the one "
+        "loaded: its symbol versions disagree",
         "recreate the GPU driver pod (cordon, drain, delete it) so nvidia-peermem is rebuilt "
-        "against the MOFED now loaded; the agent's verdict for this is 'rebuild'",
+        "against the MOFED now loaded (nv_peer_mem: rebuild its package against the installed "
+        "MLNX_OFED); the agent's verdict for this is 'rebuild'",
         (),
         (*MODES[:3], "operator-peermem-hold (the load is let go and fails as before)"),
     ),
     Incident(
+        "peermem-einval-unexplained",
+        "the GPUDirect module failed to load with Invalid argument, and these logs do not say why",
+        "two causes fit; the kernel's lines and MOFED's log at that minute tell them apart. "
+        "(1) A load while MOFED restarted its RDMA stack (peermem-load-race): MOFED's "
+        "container log shows 'Unsetting driver ready state' or an openibd restart at that "
+        "minute, and dmesg has no 'disagrees' line for it; remedy: load it after MOFED's "
+        "ready flag (/run/mellanox/drivers/.driver-ready), restart the driver pod once MOFED "
+        "is ready. (2) A module built against another MOFED (peermem-abi-mismatch): `dmesg | "
+        "grep -i peermem` shows 'disagrees about version of symbol' on every try; remedy: "
+        "recreate the GPU driver pod so it is rebuilt against the MOFED loaded",
+        (HOLD_MODES[0], f"{HOLD_MODES[1]} (the race only)"),
+        ("operator-peermem", "operator-peermem-dm09 (either cause)"),
+    ),
+    Incident(
         "peermem-no-peer-api",
-        "nvidia-peermem loaded against an ib_core without the peer-memory API (inbox)",
-        ("peermem-unknown-symbol",),
-        ("peermem-symbol-crc",),
+        "the GPUDirect module loaded against an ib_core without the peer-memory API (the "
+        "kernel's inbox one), or with none loaded",
         "load MOFED's RDMA stack before nvidia-peermem (the inbox ib_core lacks "
         "ib_register_peer_memory_client), or use DMA-BUF where the GPU and kernel allow",
         ("operator-peermem-hold", "operator-peermem-dm09-hold (an inbox ib_core load is held)"),
         ("operator-peermem", "operator-peermem-dm09", "host-mofed"),
     ),
     Incident(
-        "peermem-load-race",
-        "nvidia_peermem loaded while MOFED was restarting its RDMA stack (Invalid argument)",
-        ("peermem-einval", "mofed-restarting"),
-        ("peermem-symbol-crc", "peermem-unknown-symbol"),
-        "wait for MOFED's ready flag (/run/mellanox/drivers/.driver-ready) before loading "
-        "nvidia_peermem; restarting the driver pod after MOFED is ready clears it",
-        ("operator-peermem-hold", "operator-peermem-dm09-hold"),
-        ("operator-peermem", "operator-peermem-dm09 (nothing shipped waits on the gate)"),
+        "peermem-no-gpu-driver",
+        "the GPUDirect module loaded without the NVIDIA driver's P2P API (nvidia_p2p_*): "
+        "nvidia.ko not loaded first",
+        "load the NVIDIA driver (nvidia.ko) before nv_peer_mem/nvidia-peermem; on the GPU "
+        "Operator the driver container does this in order: look at why nvidia.ko failed",
+        (),
+        MODES,
+    ),
+    Incident(
+        "peermem-load-failed",
+        "the GPUDirect module failed to load, and these logs do not have the kernel's reason",
+        "read the kernel's lines for that load: `dmesg | grep -iE 'peer_?mem'` on the node "
+        "('disagrees about version of symbol': rebuild against the MOFED loaded; 'Unknown "
+        "symbol ib_register_peer_memory_client': an inbox ib_core, load MOFED first; 'Unknown "
+        "symbol nvidia_p2p_*': load the NVIDIA driver first), then run explain on them too",
+        (),
+        (),
     ),
     Incident(
         "peermem-not-built",
         "nvidia-peermem.ko is not there to load (the driver install left it out)",
-        ("peermem-not-built",),
-        (),
         "reinstall the driver with peermem built (GPU Operator: recreate the driver pod; "
         "a userspace-only fast path skips it)",
         (),
@@ -243,18 +404,25 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident(
         "storage-blocks-mofed",
         "storage modules (rpcrdma, nvme_rdma, ...) loaded, so MOFED refused to install",
-        ("storage-modules-loaded",),
-        (),
         "unload the storage chain before MOFED installs (UNLOAD_STORAGE_MODULES=true if "
         "unloading them is acceptable), or run nodeagent's storage guard (policy hold)",
         MODES,
         (),
     ),
     Incident(
+        "storage-module-other-stack",
+        "a storage module built for one RDMA stack (inbox or MOFED) met the other's "
+        "symbols: it cannot load (or MOFED's install meets it loaded)",
+        "load storage modules from the stack that is loaded: after MOFED installs, its own "
+        "builds (MOFED's nvme-rdma/rpcrdma packages, or the driver container's storage "
+        "modules); unload the chain before MOFED installs and load it back after its ready "
+        "flag (nodeagent's storage guard does both)",
+        MODES,
+        (),
+    ),
+    Incident(
         "openibd-module-in-use",
         "openibd restart failed: a module it must unload is in use",
-        ("module-in-use",),
-        (),
         "find the holder (lsmod, the 'in use by' module): an idle nvidia_peermem is unloaded "
         "by nodeagent at the restart's start; a storage or user-held module needs its users "
         "stopped first",
@@ -264,14 +432,13 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident(
         "vf-restore-before-netdev",
         "a VF restore ran before the VF's netdev existed",
-        ("vf-no-netdev",),
-        (),
         "restore each VF when its netdev appears (nodeagent's VF guard does), then re-run the "
         "restore; pods on the VFs that lost their config need a restart",
         MODES,
         (),
     ),
 )
+_KINDS = {i.kind: i for i in INCIDENTS}
 
 
 @dataclass(frozen=True)
@@ -280,83 +447,253 @@ class Evidence:
     line: int
     text: str
     signature: str
+    stamp: Stamp | None = None
+    fields: tuple[tuple[str, str], ...] = ()
+
+    def get(self, name: str) -> str | None:
+        return dict(self.fields).get(name)
+
+
+@dataclass
+class Found:
+    """One node's evidence, by signature name."""
+
+    by_sig: dict[str, list[Evidence]] = field(default_factory=dict)
+
+    def add(self, ev: Evidence) -> None:
+        got = self.by_sig.setdefault(ev.signature, [])
+        if len(got) < KEEP:
+            got.append(ev)
+
+    def __getitem__(self, name: str) -> list[Evidence]:
+        return self.by_sig.get(name, [])
+
+
+@dataclass
+class Finding:
+    kind: str
+    evidence: list[Evidence] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _near(a: Evidence, b: Evidence) -> bool:
+    """The same load: one file within a few lines, or stamped within seconds."""
+    if a.file == b.file and abs(a.line - b.line) <= SAME_LOAD_LINES:
+        return True
+    return (
+        a.stamp is not None
+        and b.stamp is not None
+        and a.stamp.clock == b.stamp.clock
+        and abs(a.stamp.t - b.stamp.t) <= SAME_LOAD_S
+    )
+
+
+@dataclass(frozen=True)
+class Window:
+    """MOFED restarting: from a restart's first line to the next ready line (or on)."""
+
+    begin: Evidence
+    end: Evidence | None
+
+    def holds(self, s: Stamp) -> bool | None:
+        """None: not on this window's clock."""
+        b = self.begin.stamp
+        if b is None or b.clock != s.clock:
+            return None
+        e = self.end.stamp if self.end else None
+        return b.t - WINDOW_SLACK_S <= s.t and (e is None or s.t <= e.t + WINDOW_SLACK_S)
+
+
+def restart_windows(found: Found) -> list[Window]:
+    ends = [e for e in found["mofed-ready"] if e.stamp]
+    out = []
+    for b in found["mofed-restarting"]:
+        end = None
+        if b.stamp:
+            after = [e for e in ends if e.stamp and e.stamp.clock == b.stamp.clock]
+            after = [e for e in after if e.stamp and b.stamp and e.stamp.t >= b.stamp.t]
+            end = min(after, key=lambda e: e.stamp.t if e.stamp else 0.0, default=None)
+        out.append(Window(b, end))
+    return out
+
+
+def _during_restart(ev: Evidence, windows: list[Window]) -> tuple[bool | None, Window | None]:
+    """(True, the window) when ``ev``'s time is in one; False when its time is known on a
+    window's clock and in none; None when no window's time can be compared with it."""
+    if ev.stamp is None:
+        return None, None
+    answers = [(w.holds(ev.stamp), w) for w in windows]
+    for held, w in answers:
+        if held:
+            return True, w
+    return (False, None) if any(h is False for h, _ in answers) else (None, None)
+
+
+def _symbol_cause(ev: Evidence) -> str:
+    """What one "Unknown symbol"/"disagrees"/"needs unknown symbol" line says, from the
+    kernel's err (kernel/module/main.c simplify_symbols: -EINVAL from check_version's
+    CRC mismatch, -EBUSY from a provider still in its init, -ENOENT (0 before 4.x: a
+    NULL symbol) for none exported)."""
+    how, err, sym = ev.get("how") or "", ev.get("err"), ev.get("symbol") or ""
+    if how.startswith("disagrees") or err == "-22":
+        return "crc"
+    if err == "-16":
+        return "busy"
+    return "no-gpu-driver" if sym.startswith("nvidia_p2p") else "no-peer-api"
+
+
+def classify(found: Found) -> list[Finding]:
+    """One node's incidents: the rules, in one place."""
+    out: dict[str, Finding] = {}
+
+    def add(kind: str, *evs: Evidence, note: str = "") -> None:
+        f = out.setdefault(kind, Finding(kind))
+        for ev in evs:
+            if ev not in f.evidence:
+                f.evidence.append(ev)
+        if note and note not in f.notes:
+            f.notes.append(note)
+
+    windows = restart_windows(found)
+    symbols = found["peermem-symbol"]
+    crc = [e for e in symbols if _symbol_cause(e) == "crc"]
+    busy = [e for e in symbols if _symbol_cause(e) == "busy"] + found["peermem-busy-provider"]
+    explained: set[int] = set()  # ids of symbol lines some failed insert already took
+
+    for ins in found["peermem-einval"]:
+        same = [e for e in crc if _near(e, ins)]
+        explained.update(id(e) for e in same)
+        during, w = _during_restart(ins, windows)
+        if during:
+            add("peermem-load-race", ins, w.begin if w else ins, *same)
+        elif same:
+            note = ""
+            if windows and during is None:
+                note = (
+                    "MOFED restarted in these logs too, at a time they do not let me compare "
+                    "with the load's: if the load fell in that restart, it was the race"
+                )
+            add("peermem-abi-mismatch", ins, *same, note=note)
+        elif windows and during is None:
+            add(
+                "peermem-load-race",
+                ins,
+                windows[0].begin,
+                note="the load's time and the restart's are not on one clock in these logs; "
+                "MOFED restarted, and no kernel line says the symbols disagree",
+            )
+        else:
+            note = ""
+            if during is False:
+                note = "MOFED restarted in these logs, but not at the time of this load"
+            add("peermem-einval-unexplained", ins, note=note)
+
+    for e in crc:
+        if id(e) in explained:
+            continue
+        during, w = _during_restart(e, windows)
+        if during and w:
+            add("peermem-load-race", e, w.begin)
+        else:
+            add("peermem-abi-mismatch", e)
+    for e in busy:
+        add("peermem-load-race", e)
+    for e in symbols:
+        cause = _symbol_cause(e)
+        if cause in ("no-peer-api", "no-gpu-driver"):
+            add(f"peermem-{cause}", e)
+    if found["peermem-not-built"]:
+        add("peermem-not-built", *found["peermem-not-built"])
+    if found["peermem-load-failed"] and not any(k.startswith("peermem-") for k in out):
+        add("peermem-load-failed", *found["peermem-load-failed"])
+
+    if found["storage-modules-loaded"]:
+        add("storage-blocks-mofed", *found["storage-modules-loaded"])
+    if found["storage-symbol"]:
+        add("storage-module-other-stack", *found["storage-symbol"])
+    if found["module-in-use"]:
+        add("openibd-module-in-use", *found["module-in-use"])
+    if found["vf-no-netdev"]:
+        add("vf-restore-before-netdev", *found["vf-no-netdev"])
+    order = {i.kind: n for n, i in enumerate(INCIDENTS)}
+    return sorted(out.values(), key=lambda f: order[f.kind])
+
+
+@dataclass
+class _FileState:
+    stamp: Stamp | None = None
+    line: int = 0
 
 
 @dataclass
 class Explainer:
-    """Fed lines in order (several files in turn); ``report()`` at the end."""
+    """Fed lines in order (several files in turn, each with the node it is about when a
+    bundle says); ``report()`` at the end."""
 
-    found: dict[str, list[Evidence]] = field(default_factory=dict)
+    nodes: dict[str, Found] = field(default_factory=dict)  # "" for files of no known node
     lines: int = 0  # lines looked at
     total: list[int] = field(default_factory=lambda: [0])  # lines read, looked at or not
     errors: list[Evidence] = field(default_factory=list)  # error-looking lines, unexplained
     modules: set[str] = field(default_factory=set)
-    per_signature_max: int = 5
+    files: dict[str, _FileState] = field(default_factory=dict)
 
-    def feed(self, file: str, lineno: int, raw: str) -> None:
+    def feed(self, file: str, lineno: int, raw: str, node: str = "") -> None:
         self.lines += 1
-        line = normalize(raw[:LINE_MAX])
+        line, stamp = split(raw[:LINE_MAX])
+        state = self.files.setdefault(file, _FileState())
+        if stamp is not None:
+            state.stamp, state.line = stamp, lineno
+        elif state.stamp is not None and lineno - state.line <= INHERIT_LINES:
+            stamp = state.stamp
         low = line.lower()
         for sig in SIGNATURES:
-            if not sig.found_in(line, low):
+            m = sig.match(line, low)
+            if m is None:
                 continue
-            got = self.found.setdefault(sig.name, [])
-            if len(got) < self.per_signature_max:
-                got.append(Evidence(file, lineno, line, sig.name))
+            fields = tuple((k, v) for k, v in m.groupdict().items() if v is not None)
+            found = self.nodes.setdefault(node, Found())
+            found.add(Evidence(file, lineno, line, sig.name, stamp, fields))
             return
         if ("error" in low or "fail" in low) and len(self.errors) < 5:
             self.errors.append(Evidence(file, lineno, line, ""))
         if len(self.modules) < 20 and any(word in low for word in _MODULE_WORDS):
-            for m in _MODULES.finditer(low):
+            for mod in _MODULES.finditer(low):
                 if len(self.modules) < 20:
-                    self.modules.add(m.group(1))
+                    self.modules.add(mod.group(1))
+
+    @property
+    def found(self) -> dict[str, list[Evidence]]:
+        """Every node's evidence by signature (for tests and "what it saw")."""
+        out: dict[str, list[Evidence]] = {}
+        for f in self.nodes.values():
+            for name, evs in f.by_sig.items():
+                out.setdefault(name, []).extend(evs)
+        return out
 
     def incidents(self) -> list[dict[str, Any]]:
         out = []
-        for inc in INCIDENTS:
-            if not all(n in self.found for n in inc.needs):
-                continue
-            if any(n in self.found for n in inc.excludes):
-                continue
-            evidence = [e for n in inc.needs for e in self.found[n]]
-            out.append(
-                {
+        for node in sorted(self.nodes):
+            for finding in classify(self.nodes[node]):
+                inc = _KINDS[finding.kind]
+                doc: dict[str, Any] = {
                     "kind": inc.kind,
                     "title": inc.title,
-                    "evidence": [_ev(e) for e in evidence],
+                    "evidence": [_ev(e) for e in finding.evidence[:SHOW]],
                     "remedy": inc.remedy,
                     "prevented_by": list(inc.prevented_by),
                     "not_prevented_by": list(inc.not_prevented_by),
-                    "sources": sorted({_BY_NAME[n].source for n in inc.needs}),
+                    "sources": sorted({_BY_NAME[e.signature].source for e in finding.evidence}),
                 }
-            )
+                if node:
+                    doc["node"] = node
+                if finding.notes:
+                    doc["notes"] = finding.notes
+                out.append(doc)
         return out
-
-    def ambiguity(self) -> list[str]:
-        """Classes the evidence fits equally, and what would tell them apart."""
-        notes = []
-        if "peermem-einval" in self.found and not {
-            "peermem-symbol-crc",
-            "peermem-unknown-symbol",
-            "mofed-restarting",
-        } & set(self.found):
-            notes.append(
-                "nvidia_peermem failed with Invalid argument but these logs do not say why: "
-                "a load while MOFED restarted (peermem-load-race), nvidia-peermem built "
-                "against another MOFED (peermem-abi-mismatch) or an inbox ib_core "
-                "(peermem-no-peer-api) all fit. The kernel's lines tell them apart: run "
-                "`dmesg | grep -i peermem` on the node ('disagrees about version of symbol': "
-                "a rebuild; 'Unknown symbol' alone: inbox ib_core; neither, with MOFED's pod "
-                "restarting at that time: the race)"
-            )
-        return notes
 
     def report(self) -> dict[str, Any]:
         lines = max(self.lines, self.total[0])
         doc: dict[str, Any] = {"incidents": self.incidents(), "lines": lines}
-        notes = self.ambiguity()
-        if notes:
-            doc["ambiguous"] = notes
         if not doc["incidents"]:
             doc["seen"] = {
                 "modules": sorted(self.modules),
