@@ -224,6 +224,9 @@ def cmd_explain(files: list[str], as_json: bool) -> int:
         return EXIT_OK
     incidents = report["incidents"]
     print(f"{len(incidents) or 'nothing'} recognised in {report['lines']} lines of {read} input(s)")
+    for b in report.get("bundles", []):
+        nodes = f"; nodes: {', '.join(map(safe, b['nodes']))}" if b["nodes"] else ""
+        print(f"bundle {safe(b['bundle'])} ({b['kind']}): {b['logs']} log file(s){nodes}")
     node = None
     for inc in incidents:
         if inc.get("node") != node:

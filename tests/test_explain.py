@@ -137,12 +137,14 @@ def test_unreadable_inputs_are_named_and_the_rest_read(tmp_path: Path) -> None:
     good.write_text("Storage modules are loaded for current driver, terminating\n")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    p = explain("--json", str(tmp_path), str(fifo), str(tmp_path / "missing"), str(good))
+    empty = tmp_path / "empty-dir"  # a directory is a bundle now (tests/test_explain_bundles.py)
+    empty.mkdir()
+    p = explain("--json", str(empty), str(fifo), str(tmp_path / "missing"), str(good))
     assert p.returncode == 0
     assert [i["kind"] for i in json.loads(p.stdout)["incidents"]] == ["storage-blocks-mofed"]
     errors = p.stderr.strip().splitlines()
     assert len(errors) == 3 and all(e.startswith("nodeagent explain: ") for e in errors)
-    assert "is a directory" in errors[0] and "not a regular file" in errors[1]
+    assert "empty-dir: no log files in it" in errors[0] and "not a regular file" in errors[1]
     nothing = explain(str(tmp_path / "missing"))
     assert nothing.returncode == 2 and "No such file" in nothing.stderr
 

@@ -57,11 +57,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Each prefix keeps its time in named groups: a month (number or name), day, H:M:S, or
 # seconds since boot.
 _PREFIXES = (
+    # kubectl logs --prefix (the GPU Operator's must-gather): [pod/<pod>/<container>]
+    re.compile(r"^\[pod/[^\]\s/]++/[^\]\s]++\]\s*"),
     # kubectl --timestamps (RFC 3339); journalctl -o short-iso
     re.compile(
         r"^\d{4}-(?P<mon>\d\d)-(?P<day>\d\d)T(?P<hms>\d\d:\d\d:\d\d)(?:\.\d+)?"
         r"(?:Z|[+-]\d\d:?\d\d)\s+"
     ),
+    re.compile(r"^(?:stdout|stderr) [FP] "),  # a kubelet (CRI) log file, after its time
     re.compile(r"^\[\s*(?P<boot>\d+\.\d+)\]\s*"),  # dmesg
     # dmesg -T
     re.compile(
@@ -636,6 +639,7 @@ class Explainer:
     errors: list[Evidence] = field(default_factory=list)  # error-looking lines, unexplained
     modules: set[str] = field(default_factory=set)
     files: dict[str, _FileState] = field(default_factory=dict)
+    bundles: list[dict[str, Any]] = field(default_factory=list)  # what each bundle was
 
     def feed(self, file: str, lineno: int, raw: str, node: str = "") -> None:
         self.lines += 1
@@ -694,6 +698,8 @@ class Explainer:
     def report(self) -> dict[str, Any]:
         lines = max(self.lines, self.total[0])
         doc: dict[str, Any] = {"incidents": self.incidents(), "lines": lines}
+        if self.bundles:
+            doc["bundles"] = self.bundles
         if not doc["incidents"]:
             doc["seen"] = {
                 "modules": sorted(self.modules),

@@ -3,25 +3,30 @@
 A chunk with none of the evidence words (``may_have_evidence``) is counted, not
 split into lines (while a few error lines are still wanted for "what it did
 see", a chunk with "error" or "fail" in it is split anyway). A line longer than
-``LINE_MAX`` is cut there; invalid UTF-8 is replaced; a directory, a FIFO or a
-file that cannot be read is one line on stderr and the rest are read.
+``LINE_MAX`` is cut there; invalid UTF-8 is replaced; a FIFO or a file that cannot
+be read is one line on stderr and the rest are read. A directory or a tar is a
+support bundle (host/bundle.py).
 """
 
 from __future__ import annotations
 
+import lzma
 import os
 import stat
 import sys
+import tarfile
+import zlib
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import IO
 
 from nodeagent.core.explain import LINE_MAX, Explainer, may_have_evidence
+from nodeagent.host.bundle import gunzipped, is_tar_name, walk
 
 CHUNK = 1 << 20
 
 
 def lines_of(
-    fh: BinaryIO, wanted: Callable[[bytes], bool], total: list[int] | None = None
+    fh: IO[bytes], wanted: Callable[[bytes], bool], total: list[int] | None = None
 ) -> Iterator[tuple[int, str]]:
     """(line number, text) of the lines in chunks ``wanted`` says may matter; ``total``
     gets every line counted, skipped or not. A line is cut at LINE_MAX: what is held of
@@ -49,26 +54,55 @@ def lines_of(
 
 
 def explain_inputs(paths: list[str], ex: Explainer) -> tuple[int, list[str]]:
-    """Feed every input to ``ex``; (inputs read, one problem line per input not read)."""
-    read, problems = 0, []
+    """Feed every input to ``ex``: a log file, stdin, a ``.gz`` log, or a support bundle
+    (a directory or a tar: host/bundle.py); (inputs read, one problem line per input
+    not read or read in part)."""
+    read = 0
+    problems: list[str] = []
+
+    def feed(name: str, fh: IO[bytes], node: str = "") -> None:
+        for n, line in lines_of(fh, lambda c: _wanted(c, ex), ex.total):
+            ex.feed(name, n, line, node)
+
     for path in paths or ["-"]:
         name = "<stdin>" if path == "-" else path
+        if path != "-" and (is_tar_name(path) or _is_dir(path)):
+            try:
+                ex.bundles.append(walk(path, feed, problems))
+                read += 1
+            except (OSError, tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
+                problems.append(f"{name}: {_why(exc)}; not read whole")
+                read += 1
+            continue
         try:
             fh = _open(path)
         except OSError as exc:
             problems.append(f"{name}: {exc.strerror or exc}; not read")
             continue
         try:
-            for n, line in lines_of(fh, lambda c: _wanted(c, ex), ex.total):
-                ex.feed(name, n, line)
+            feed(name, gunzipped(fh, path))
             read += 1
-        except OSError as exc:
-            problems.append(f"{name}: {exc.strerror or exc}; read in part")
+        except (OSError, EOFError) as exc:
+            problems.append(f"{name}: {_why(exc)}; read in part")
             read += 1
         finally:
             if path != "-":
                 fh.close()
     return read, problems
+
+
+def _why(exc: BaseException) -> str:
+    return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)) or type(
+        exc
+    ).__name__
+
+
+def _is_dir(path: str) -> bool:
+    """A directory given by name (a symlink to one is followed: the user named it)."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _wanted(chunk: bytes, ex: Explainer) -> bool:
@@ -79,7 +113,7 @@ def _wanted(chunk: bytes, ex: Explainer) -> bool:
     return len(ex.errors) < 5 and (b"error" in lower or b"fail" in lower)
 
 
-def _open(path: str) -> BinaryIO:
+def _open(path: str) -> IO[bytes]:
     if path == "-":
         return sys.stdin.buffer
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

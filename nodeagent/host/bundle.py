@@ -1,0 +1,156 @@
+"""Walk a support bundle for ``nodeagent explain``: a directory, or a tar (``.tar``,
+``.tar.gz``/``.tgz``, ``.tar.xz``), as the operators' tools write them.
+
+Two passes, memory flat in the bundle's size: the first reads only the small files
+the node map is made from (``core/bundle.py``: pod lists, pod YAML, ``hostname``), the
+second streams every log through the explainer with the node it is about. A tar is
+read as a stream (twice), never extracted: a member's name is only a label. In a
+directory nothing is followed: a symlink, a FIFO or a device is not read, and each
+file is opened ``O_NOFOLLOW|O_NONBLOCK`` and checked regular. A ``.gz`` inside
+(``nvidia-bug-report_<node>.log.gz``, ``<node>_logs_kubelet.gz``) is read through
+gzip (several gzip streams one after another, as nvidia-bug-report writes, too); what
+any one file gives is cut at ``MEMBER_MAX`` bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import stat
+import tarfile
+import typing
+from collections.abc import Callable, Iterator
+from typing import IO
+
+from nodeagent.core.bundle import MAP_FILE_MAX, NodeMap, bundle_kind, is_log, is_map_file
+
+MEMBER_MAX = 8 << 30  # what one file gives at most, decompressed (a gzip bomb ends here)
+FILES_MAX = 200_000  # files looked at in one bundle
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2")
+
+Feed = Callable[[str, IO[bytes], str], None]  # (label, stream, node)
+
+
+def is_tar_name(path: str) -> bool:
+    return path.lower().endswith(TAR_SUFFIXES)
+
+
+class _Capped(io.RawIOBase):
+    """At most ``limit`` bytes of ``inner``; ``cut`` says whether more were there."""
+
+    def __init__(self, inner: IO[bytes], limit: int) -> None:
+        self.inner, self.left, self.cut = inner, limit, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: bytearray | memoryview) -> int:  # type: ignore[override]
+        if self.left <= 0:
+            self.cut = self.cut or bool(self.inner.read(1))
+            return 0
+        data = self.inner.read(min(len(buf), self.left))
+        buf[: len(data)] = data
+        self.left -= len(data)
+        return len(data)
+
+
+def gunzipped(fh: IO[bytes], name: str) -> IO[bytes]:
+    """``fh`` read through gzip when ``name`` says it is one."""
+    if name.lower().endswith(".gz"):
+        return typing.cast(IO[bytes], gzip.GzipFile(fileobj=fh, mode="rb"))
+    return fh
+
+
+def walk(path: str, feed: Feed, problems: list[str]) -> dict[str, object]:
+    """Feed every log of the bundle at ``path`` (a directory or a tar); what it was."""
+    is_dir = os.path.isdir(path)  # the top as named (a link to it followed); nothing inside
+    names = list(_dir_files(path, problems)) if is_dir else [n for n, _ in _tar_members(path)]
+
+    def opener() -> Iterator[tuple[str, IO[bytes]]]:
+        return _dir_open(path, names) if is_dir else _tar_members(path)
+
+    nodes = NodeMap()
+    for name, fh in opener():
+        if is_map_file(name):
+            nodes.learn(name, fh.read(MAP_FILE_MAX).decode("utf-8", errors="replace"))
+    logs = 0
+    seen_nodes: set[str] = set()
+    for name, fh in opener():
+        if not is_log(name):
+            continue
+        node = nodes.node_of(name)
+        capped = _Capped(gunzipped(fh, name), MEMBER_MAX)
+        label = os.path.join(path, name) if is_dir else f"{path}:{name}"
+        try:
+            feed(label, io.BufferedReader(capped), node)
+        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            problems.append(f"{label}: {exc}; read in part")
+        if capped.cut:
+            problems.append(f"{label}: cut at {MEMBER_MAX >> 30} GiB")
+        logs += 1
+        if node:
+            seen_nodes.add(node)
+    if logs == 0:
+        problems.append(f"{path}: no log files in it")
+    return {"bundle": path, "kind": bundle_kind(names), "logs": logs, "nodes": sorted(seen_nodes)}
+
+
+def _dir_files(top: str, problems: list[str]) -> Iterator[str]:
+    """Regular files under ``top`` (relative, sorted), no link followed."""
+    count = 0
+    for here, dirs, files in os.walk(top, followlinks=False):
+        dirs.sort()
+        for f in sorted(files):
+            full = os.path.join(here, f)
+            try:
+                if not stat.S_ISREG(os.lstat(full).st_mode):
+                    continue
+            except OSError:
+                continue
+            count += 1
+            if count > FILES_MAX:
+                problems.append(f"{top}: more than {FILES_MAX} files; the rest not read")
+                return
+            yield os.path.relpath(full, top)
+
+
+def _dir_open(top: str, names: list[str]) -> Iterator[tuple[str, IO[bytes]]]:
+    for name in names:
+        try:
+            fd = os.open(
+                os.path.join(top, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
+        except OSError:
+            continue
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            continue
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as fh:
+            yield name, fh
+
+
+def _tar_members(path: str) -> Iterator[tuple[str, IO[bytes]]]:
+    """(name, stream) of each regular member, read as a stream: never extracted."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(0, "not a regular file")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+        count = 0
+        for member in tar:
+            count += 1
+            if count > FILES_MAX:
+                return
+            if not member.isreg():
+                continue
+            fh = tar.extractfile(member)
+            if fh is None:
+                continue
+            name = member.name.removeprefix("./")
+            yield name, fh
+            with contextlib.suppress(OSError):
+                fh.close()

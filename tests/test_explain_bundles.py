@@ -1,0 +1,285 @@
+"""``nodeagent explain DIR|BUNDLE.tar[.gz]``: the operators' support bundles, built here in
+the layouts their scripts write (core/bundle.py cites each), read as a user runs it."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nodeagent.core.bundle import NodeMap, is_log
+
+EINVAL = "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument"
+DRIVER_POD_1 = "nvidia-driver-daemonset-7xk2p"
+DRIVER_POD_2 = "nvidia-driver-daemonset-q9d4m"
+
+
+def explain(*args: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    p = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "explain", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout), p
+
+
+def by_node(doc: dict[str, Any]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for inc in doc["incidents"]:
+        out.setdefault(inc.get("node", ""), []).append(inc["kind"])
+    return out
+
+
+def write(root: Path, files: dict[str, bytes | str]) -> Path:
+    for rel, body in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(body.encode() if isinstance(body, str) else body)
+    return root
+
+
+def tar(root: Path, out: Path, mode: str = "w:gz") -> Path:
+    with tarfile.open(out, mode) as t:
+        t.add(root, arcname=root.name)
+    return out
+
+
+def multistream_gzip(*sections: str) -> bytes:
+    """nvidia-bug-report.sh appends each section with `gzip -c >>`: one gzip stream each."""
+    return b"".join(gzip.compress(s.encode()) for s in sections)
+
+
+def gpu_must_gather() -> dict[str, bytes | str]:
+    """hack/must-gather.sh (v26.3+): flat; operand pods' logs with --all-containers
+    --prefix --timestamps; the NODE column in gpu_operand_pods.status."""
+    status = (
+        "NAME                              READY   STATUS             RESTARTS   AGE   IP"
+        "           NODE    NOMINATED NODE   READINESS GATES\n"
+        f"{DRIVER_POD_1}     1/2     CrashLoopBackOff   7          1h    10.0.0.11"
+        "    gpu-1   <none>           <none>\n"
+        f"{DRIVER_POD_2}     1/2     CrashLoopBackOff   7          1h    10.0.0.12"
+        "    gpu-2   <none>           <none>\n"
+    )
+    p1 = f"[pod/{DRIVER_POD_1}/"
+    p2 = f"[pod/{DRIVER_POD_2}/"
+    return {
+        "must-gather.log": "+ kubectl get pods\n",
+        "gpu_operand_pods.status": status,
+        # a pod spec that quotes the words: YAML is not read
+        "gpu_operand_pods.yaml": f"items:\n- metadata:\n    annotations:\n      x: {EINVAL}\n",
+        # node gpu-1: k8s-driver-manager waits for MOFED, then the driver's load fails
+        f"gpu_operand_pod_{DRIVER_POD_1}.log": (
+            f'{p1}k8s-driver-manager] 2026-11-21T11:51:41.000000001Z time="2026-11-21T11:51:41Z"'
+            ' level=info msg="Waiting for MOFED to be installed"\n'
+            f"{p1}nvidia-driver-ctr] 2026-11-21T11:52:10.1Z Loading NVIDIA Peer Memory kernel "
+            "module...\n"
+            f"{p1}nvidia-driver-ctr] 2026-11-21T11:52:10.2Z {EINVAL}\n"
+        ),
+        f"gpu_operand_pod_{DRIVER_POD_1}.previous.log": "",
+        # node gpu-2: the same failed load, with the kernel's reason in its bug report
+        f"gpu_operand_pod_{DRIVER_POD_2}.log": (
+            f"{p2}nvidia-driver-ctr] 2026-11-21T12:00:00.5Z {EINVAL}\n"
+        ),
+        "nvidia-bug-report_gpu-2.log.gz": multistream_gzip(
+            "_" * 44 + "\n\n*** /proc/modules\nnvidia 1 0 - Live\n",
+            "_" * 44 + "\n\ndmesg:\n\n"
+            "[Fri Nov 21 12:00:00 2026] nvidia_peermem: disagrees about version of symbol "
+            "ib_register_peer_memory_client\n"
+            "[Fri Nov 21 12:00:00 2026] nvidia_peermem: Unknown symbol "
+            "ib_register_peer_memory_client (err -22)\n",
+        ),
+    }
+
+
+def test_a_gpu_operator_must_gather_directory_per_node(tmp_path: Path) -> None:
+    root = write(tmp_path / "nvidia-gpu-operator_20261121_1210", gpu_must_gather())
+    doc, _ = explain(str(root))
+    assert by_node(doc) == {"gpu-1": ["peermem-load-race"], "gpu-2": ["peermem-abi-mismatch"]}
+    (b,) = doc["bundles"]
+    assert b["kind"] == "GPU Operator must-gather" and b["nodes"] == ["gpu-1", "gpu-2"]
+    race = doc["incidents"][0]
+    files = {e["file"] for e in race["evidence"]}
+    assert files == {str(root / f"gpu_operand_pod_{DRIVER_POD_1}.log")}
+    # the kubectl --prefix and --timestamps are off the text shown
+    assert EINVAL in [e["text"] for e in race["evidence"]]
+    abi = doc["incidents"][1]
+    assert {Path(e["file"]).name for e in abi["evidence"]} == {
+        f"gpu_operand_pod_{DRIVER_POD_2}.log",
+        "nvidia-bug-report_gpu-2.log.gz",
+    }
+
+
+def test_the_text_names_the_bundle_and_groups_by_node(tmp_path: Path) -> None:
+    root = write(tmp_path / "mg", gpu_must_gather())
+    p = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "explain", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = p.stdout
+    assert p.returncode == 0, p.stderr
+    assert f"bundle {root} (GPU Operator must-gather): " in out
+    assert out.index("== node gpu-1") < out.index("peermem-load-race") < out.index("== node gpu-2")
+
+
+def test_the_same_must_gather_under_oc_adm_must_gather_as_a_tar_gz(tmp_path: Path) -> None:
+    """oc adm must-gather: must-gather.local.<n>/<image-dir>/ holds the same flat files."""
+    image_dir = "must-gather.local.5308/nvcr-io-nvidia-gpu-operator-sha256-0a1b"
+    root = tmp_path / "must-gather.local.5308"
+    write(tmp_path, {f"{image_dir}/{k}": v for k, v in gpu_must_gather().items()})
+    bundle = tar(root, tmp_path / "must-gather.tar.gz")
+    doc, _ = explain(str(bundle))
+    assert by_node(doc) == {"gpu-1": ["peermem-load-race"], "gpu-2": ["peermem-abi-mismatch"]}
+    file = doc["incidents"][0]["evidence"][0]["file"]
+    assert file.startswith(f"{bundle}:must-gather.local.5308/nvcr-io-nvidia-gpu-operator")
+
+
+MOFED_POD = "mofed-ubuntu22.04-6d4f8b9c7-ds-x7k2p"
+
+
+def netop_sosreport() -> dict[str, bytes | str]:
+    """kubectl netop-sosreport (v26.1+): pods/<pod>-<container>.log beside <pod>.yaml,
+    ofed-driver/diagnostics/<node>-<what>.txt."""
+    pods = "operator/components/ofed-driver/pods"
+    diag = "operator/components/ofed-driver/diagnostics"
+    return {
+        "metadata/collection-info.txt": "NVIDIA Network Operator SOS-Report\n",
+        f"{pods}/{MOFED_POD}.yaml": f"kind: Pod\nmetadata:\n  name: {MOFED_POD}\n"
+        "spec:\n  nodeName: gpu-3\n",
+        f"{pods}/{MOFED_POD}-mofed-container.log": (
+            "[26-Sep-26_05:02:12] NVIDIA driver container exec start\n"
+            "[26-Sep-26_05:02:12] Storage modules are loaded for current driver, terminating "
+            'prior driver reload failure due to UNLOAD_STORAGE_MODULES not set to "true"\n'
+        ),
+        f"{pods}/{MOFED_POD}-mofed-container-previous.log": "",
+        f"{diag}/gpu-3-dmesg.txt": (
+            "[  812.345678] rpcrdma: disagrees about version of symbol ib_dealloc_pd_user\n"
+            "[  812.345690] rpcrdma: Unknown symbol ib_dealloc_pd_user (err -22)\n"
+        ),
+        f"{diag}/gpu-3-lsmod.txt": "mlx5_core 2031616 1 mlx5_ib\n",
+        "crds/instances/nicclusterpolicies/all.yaml": "spec: {}\n",
+    }
+
+
+def test_a_network_operator_sosreport_tar_gz(tmp_path: Path) -> None:
+    root = write(tmp_path / "network-operator-sosreport-20260926-050500", netop_sosreport())
+    bundle = tar(root, tmp_path / "network-operator-sosreport-20260926-050500.tar.gz")
+    doc, _ = explain(str(bundle))
+    assert by_node(doc) == {"gpu-3": ["storage-blocks-mofed", "storage-module-other-stack"]}
+    assert doc["bundles"][0]["kind"] == "Network Operator sosreport"
+    files = [e["file"] for inc in doc["incidents"] for e in inc["evidence"]]
+    assert any(f.endswith(f"pods/{MOFED_POD}-mofed-container.log") for f in files)
+    assert any(f.endswith("diagnostics/gpu-3-dmesg.txt") for f in files)
+
+
+def test_oc_adm_inspect_and_a_nodes_sos_report(tmp_path: Path) -> None:
+    ns = "namespaces/nvidia-gpu-operator/pods"
+    inspect = write(
+        tmp_path / "inspect.local.42",
+        {
+            f"{ns}/{DRIVER_POD_1}/{DRIVER_POD_1}.yaml": "spec:\n  nodeName: gpu-7\n",
+            f"{ns}/{DRIVER_POD_1}/nvidia-driver-ctr/nvidia-driver-ctr/logs/current.log": (
+                f"2026-11-21T11:52:10.2Z {EINVAL}\n"
+            ),
+            f"{ns}/{DRIVER_POD_1}/nvidia-driver-ctr/nvidia-driver-ctr/logs/previous.log": "",
+        },
+    )
+    sos = write(
+        tmp_path / "sosreport-gpu-8-2026-11-21-abcdefg",
+        {
+            "hostname": "gpu-8\n",
+            "sos_commands/kernel/dmesg": (
+                "[   52.1] nv_peer_mem: Unknown symbol ib_register_peer_memory_client (err 0)\n"
+            ),
+            "sos_commands/logs/journalctl_--no-pager": (
+                "Nov 21 11:00:01 gpu-8 systemd[1]: Failed to start LSB: Activates/Deactivates "
+                "nv_peer_mem to start at boot time.\n"
+            ),
+        },
+    )
+    doc, _ = explain(str(inspect), str(tar(sos, tmp_path / "sos.tar.xz", "w:xz")))
+    assert by_node(doc) == {
+        "gpu-7": ["peermem-einval-unexplained"],
+        "gpu-8": ["peermem-no-peer-api"],
+    }
+    assert [b["kind"] for b in doc["bundles"]] == ["oc adm inspect", "sos report"]
+
+
+def test_no_rule_correlates_two_nodes(tmp_path: Path) -> None:
+    """MOFED restarting on gpu-1 says nothing of a failed load on gpu-2 at that minute."""
+    files = gpu_must_gather()
+    del files["nvidia-bug-report_gpu-2.log.gz"]
+    files[f"gpu_operand_pod_{DRIVER_POD_2}.log"] = (
+        f"[pod/{DRIVER_POD_2}/nvidia-driver-ctr] 2026-11-21T11:52:11Z {EINVAL}\n"
+    )
+    doc, _ = explain(str(write(tmp_path / "mg", files)))
+    assert by_node(doc) == {
+        "gpu-1": ["peermem-load-race"],
+        "gpu-2": ["peermem-einval-unexplained"],
+    }
+
+
+def test_nothing_inside_a_bundle_is_followed_and_names_are_only_labels(tmp_path: Path) -> None:
+    secret = tmp_path / "outside.log"
+    secret.write_text("Storage modules are loaded for current driver\n")
+    root = write(tmp_path / "b", {"ok.log": "nothing here\n"})
+    (root / "link.log").symlink_to(secret)
+    os.mkfifo(root / "fifo.log")  # would block a reader
+    doc, _ = explain(str(root))
+    assert doc["incidents"] == [] and doc["bundles"][0]["logs"] == 1
+    # a member named to climb out is read as a stream, never written anywhere
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as t:
+        body = b"Storage modules are loaded for current driver\n"
+        info = tarfile.TarInfo("../../etc/mofed.log")
+        info.size = len(body)
+        t.addfile(info, io.BytesIO(body))
+    doc, _ = explain(str(evil))
+    assert doc["incidents"][0]["evidence"][0]["file"] == f"{evil}:../../etc/mofed.log"
+    assert not (tmp_path.parent / "etc" / "mofed.log").exists()
+
+
+def test_a_corrupt_archive_is_one_line_and_the_rest_is_read(tmp_path: Path) -> None:
+    bad = tmp_path / "bundle.tar.gz"
+    bad.write_bytes(gzip.compress(b"not a tar at all" * 100)[:-20])
+    good = tmp_path / "mofed.log"
+    good.write_text("Storage modules are loaded for current driver\n")
+    doc, p = explain(str(bad), str(good))
+    assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"]
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"nodeagent explain: {bad}: ")
+
+
+@pytest.mark.parametrize(
+    ("path", "log"),
+    [
+        ("gpu_operand_pod_x.log", True),
+        ("gpu_operand_pods.yaml", False),
+        ("nvidia-bug-report_gpu-1.log.gz", True),
+        ("crds/instances/a/all.yaml", False),
+        ("report.html", False),
+        ("sos_commands/kernel/dmesg", True),
+        ("x.tar.gz.sha256", False),
+    ],
+)
+def test_which_files_are_logs(path: str, log: bool) -> None:
+    assert is_log(path) is log
+
+
+def test_a_netop_pod_log_s_pod_is_the_longest_name_with_its_yaml() -> None:
+    nm = NodeMap()
+    nm.learn("pods/mofed-a-ds-x.yaml", "spec:\n  nodeName: n1\n")
+    nm.learn("pods/mofed-a.yaml", "spec:\n  nodeName: wrong\n")
+    assert nm.node_of("pods/mofed-a-ds-x-mofed-container-previous.log") == "n1"
+    assert nm.node_of("pods/other-pod-c.log") == ""
