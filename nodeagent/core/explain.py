@@ -182,74 +182,232 @@ class Signature:
         return self.match(line, low) is not None
 
 
-KERNEL_MODULE = "torvalds/linux kernel/module/main.c (before 5.19: kernel/module.c)"
+# Where the words come from (docs/explain-sources.md has each format with its line).
+KERNEL = "torvalds/linux kernel/module/main.c, version.c (before 5.19: kernel/module.c)"
 KMOD = "kmod-project/kmod tools/modprobe.c, insmod.c, rmmod.c, modinfo.c, depmod.c"
+BUSYBOX = "busybox modutils/modprobe.c, insmod.c"
+OPENIBD = "MLNX_OFED ofed_scripts/openibd (from 25.04: mod_load_funcs)"
+DOCA = "Mellanox/doca-driver-build entrypoint.sh (bash) and entrypoint/ (Go)"
+OFED_DOCKER = "Mellanox/ofed-docker entrypoint.sh"
+GPU_DRIVER = "NVIDIA/gpu-driver-container nvidia-driver (driver container, peermem sidecar)"
+DRIVER_MANAGER = "NVIDIA/k8s-driver-manager (init container)"
+NV_PEER_MEM = "Mellanox/nv_peer_memory nv_peer_mem init script (the unit systemd makes of it)"
 
 SIGNATURES: tuple[Signature, ...] = (
+    # ---- the GPUDirect module's load
     Signature(
         "peermem-einval",
+        # EINVAL from finit_module: modprobe prints strerror, insmod "Invalid parameters"
         re.compile(_INSERT + _PEERMEM + r"(?:\.ko)?'?: Invalid (?:argument|parameters)"),
-        f"{KMOD} (EINVAL from finit_module); seeds 000-002; NVIDIA/gpu-operator issue 2868",
+        f"{KMOD}; seeds 000-002; NVIDIA/gpu-operator issue 2868",
         ("could not insert",),
     ),
     Signature(
+        "peermem-einval",
+        re.compile(
+            r"can't (?:insert|load module) '?(?:[\w./-]{0,200}/)?"
+            r"(?P<module>nvidia[_-]peermem|nv_peer_mem)[^:]{0,200}: [Ii]nvalid argument"
+        ),
+        BUSYBOX,
+        ("can't insert", "can't load module"),
+    ),
+    Signature(
         "peermem-symbol",
+        # the kernel: "<mod>: disagrees about version of symbol <sym>", "<mod>: Unknown
+        # symbol <sym> (err <n>)" (no "(err" before 2.6.35; err %li, 0 for none, to 4.18);
+        # depmod -e: "<path>.ko needs unknown symbol <sym>", "... disagrees about ..."
         re.compile(_PEERMEM + _SYMBOL_WORDS),
-        f"{KERNEL_MODULE}; {KMOD} (depmod); NVIDIA/gpu-operator issue 2868",
+        f"{KERNEL}; {KMOD} (depmod); NVIDIA/gpu-operator issue 2868",
         ("disagrees about version of symbol", "unknown symbol"),
     ),
     Signature(
-        "peermem-busy-provider",
-        re.compile(_PEERMEM + r": gave up waiting for init of module (?P<provider>\w+)"),
-        f"{KERNEL_MODULE} (resolve_symbol_wait: the provider was still loading)",
-        ("gave up waiting for init of module",),
+        "peermem-symbol",
+        # built for another kernel: "<mod>: version magic '<x>' should be '<y>'"
+        re.compile(_PEERMEM + r": (?P<how>version magic) '"),
+        KERNEL,
+        ("version magic",),
     ),
     Signature(
-        "peermem-load-failed",
-        # an insert failed for another reason, or the tools around it only say it failed
+        "peermem-busy-provider",
+        # resolve_symbol_wait: the provider (ib_core) was still in its init after 30 s;
+        # then "Unknown symbol <sym> (err -16)" and modprobe's strerror(EBUSY)
         re.compile(
-            _INSERT + _PEERMEM + r"(?:\.ko)?'?: (?P<why>[\w ,()]{1,80})"
-            r"|[Ff]ailed to (?:load|start) (?:the )?(?:nvidia-peermem|nv_peer_mem)"
+            _PEERMEM + r": gave up waiting for init of module (?P<provider>\w+)"
+            r"|"
+            + _INSERT
+            + r"(?:nvidia[_-]peermem|nv_peer_mem)(?:\.ko)?'?: Device or resource busy"
         ),
-        f"{KMOD}; NVIDIA/gpu-driver-container nvidia-driver; Mellanox/nv_peer_memory "
-        "nv_peer_mem.service",
-        ("could not insert", "failed to load", "failed to start"),
+        f"{KERNEL}; {KMOD}",
+        ("gave up waiting for init of module", "could not insert"),
     ),
     Signature(
         "peermem-not-built",
-        re.compile(r"Module (?:nvidia[_-]peermem|nv_peer_mem) not found"),
-        f"{KMOD} (modprobe FATAL, modinfo ERROR); NVIDIA/gpu-operator issue 2619",
-        ("peermem not found", "peer_mem not found"),
+        # modprobe "Module %s not found in directory %s" (FATAL; WARNING with -a), modinfo
+        # "Module %s not found.", busybox "module %s not found in modules.dep", nv_peer_mem's
+        # init script "Module nv_peer_mem does not exist"
+        re.compile(r"[Mm]odule '?(?:nvidia[_-]peermem|nv_peer_mem)'? (?:not found|does not exist)"),
+        f"{KMOD}; {BUSYBOX}; {NV_PEER_MEM}; NVIDIA/gpu-operator issue 2619",
+        ("peermem not found", "peer_mem not found", "peermem' not found", "peer_mem does not"),
+    ),
+    Signature(
+        "peermem-no-gpu-driver-loaded",
+        # nv_peer_mem's init script checks its required modules first
+        re.compile(r"required module is not loaded: (?P<provider>nvidia|ib_core)\b"),
+        NV_PEER_MEM,
+        ("required module is not loaded",),
+    ),
+    Signature(
+        "peermem-load-failed",
+        # a failure that does not say why: modprobe's ENOENT text (the kernel's lines name
+        # the symbol), the peermem sidecar, nv_peer_mem's script and its unit
+        re.compile(
+            _INSERT + r"(?:nvidia[_-]peermem|nv_peer_mem)(?:\.ko)?'?: Unknown symbol in module"
+            r"|[Ff]ailed to (?:load|start) (?:the )?(?:nvidia-peermem|nv_peer_mem)"
+            r"|nv_peer_mem\.service: Failed with result"
+            r"|Failed to start [^\n]{0,80}nv_peer_mem"
+        ),
+        f"{KMOD}; {GPU_DRIVER}; {NV_PEER_MEM}",
+        ("peermem", "peer_mem"),
+    ),
+    Signature(
+        "module-signature-rejected",
+        # secure boot and lockdown: not this tool's incident; a failed load next to one
+        # is not called a GPUDirect failure of unknown cause
+        re.compile(
+            r"Key was rejected by service|Required key not available"
+            r"|unsigned module loading is restricted|Loading of unsigned module is rejected"
+        ),
+        KERNEL,
+        ("key was rejected", "required key not", "unsigned module"),
+    ),
+    # ---- MOFED's restart, and openibd's own words
+    Signature(
+        "openibd-failed",
+        # openibd's [FAILED] lines (colour and CR taken off; echo loses the label's space)
+        re.compile(
+            r"(?P<what>Loading HCA driver and Access Layer|No HCA kernel modules loaded"
+            r"|Failed loading kernel module [\w.-]{1,64}|Module not found: [\w.-]{1,64}"
+            r"|Avoid loading inbox module: [\w.-]{1,64}|Unloading [\w.-]{1,64})"
+            r":? {0,80}\[ {0,4}FAILED {0,4}\]"
+        ),
+        OPENIBD,
+        ("failed ]", "failed]"),
+    ),
+    Signature(
+        "openibd-failed",
+        # a refused stop, and the containers' words for a failed restart
+        re.compile(
+            r"Cannot unload the Infiniband driver stack"
+            r"|Command \"/etc/init\.d/openibd restart\" failed with exit code"
+            r"|failed to restart openibd service"
+            r"|Error occured while restarting driver"
+        ),
+        f"{OPENIBD}; {DOCA}; {OFED_DOCKER}",
+        ("cannot unload the infiniband", "openibd", "occured while restarting driver"),
+    ),
+    Signature(
+        "openibd-ok",
+        re.compile(r"Loading HCA driver and Access Layer: {0,80}\[ {0,4}OK {0,4}\]"),
+        OPENIBD,
+        ("access layer",),
+    ),
+    Signature(
+        "openibd-trace-exit",
+        # the DOCA entrypoint's set -x trace: the exit code exec_cmd kept of its command
+        re.compile(r"^\+{1,3} exit_code=(?P<code>\d+)$"),
+        DOCA,
+        ("exit_code=",),
+    ),
+    Signature(
+        "openibd-restart-begin",
+        # the restart as the containers run it: exec_cmd (traced, or its debug line), or
+        # ofed-docker's bash -x
+        re.compile(
+            r"exec_cmd '?/etc/init\.d/openibd restart"
+            r"|Executing command: /etc/init\.d/openibd restart"
+            r"|^\+{1,3} /etc/init\.d/openibd restart"
+        ),
+        f"{DOCA}; {OFED_DOCKER}",
+        ("openibd restart",),
     ),
     Signature(
         "mofed-restarting",
-        re.compile(r"Unsetting driver ready state|openibd restart|Waiting for MOFED"),
-        "seeds 000-001 (the MOFED pod and k8s-driver-manager)",
-        ("unsetting driver ready state", "openibd restart", "waiting for mofed"),
+        re.compile(
+            r"Unsetting driver ready state|openibd restart|Waiting for MOFED"
+            r"|remove driver ready indicator|driver ready indicator cleared"
+            r"|waiting for mellanox ofed and nvidia drivers"
+        ),
+        f"seeds 000-001; {DOCA}; {DRIVER_MANAGER}; {GPU_DRIVER}",
+        (
+            "unsetting driver ready state",
+            "openibd restart",
+            "waiting for mofed",
+            "driver ready indicator",
+            "waiting for mellanox ofed",
+        ),
     ),
     Signature(
         "mofed-ready",
-        re.compile(r"(?<!Un)[Ss]etting driver ready state"),
-        "seed 001 (the MOFED pod)",
-        ("setting driver ready state",),
+        re.compile(
+            r"(?<!Un)[Ss]etting driver ready state|set driver ready indicator"
+            r"|driver ready indicator set"
+        ),
+        f"seed 001; {DOCA}",
+        ("setting driver ready state", "driver ready indicator"),
+    ),
+    # ---- storage modules
+    Signature(
+        "storage-modules-loaded",
+        # bash: "Storage modules are loaded for current driver, terminating ..."; Go:
+        # "storage modules are loaded for current driver,terminating ..."
+        re.compile(r"[Ss]torage modules are loaded for current driver"),
+        f"seed 004; Mellanox/network-operator issue 1084; {DOCA}",
+        ("storage modules are loaded for current driver",),
     ),
     Signature(
         "storage-modules-loaded",
-        re.compile(r"Storage modules are loaded for current driver"),
-        "seed 004; Mellanox/network-operator issue 1084",
-        ("storage modules are loaded for current driver",),
+        # openibd refusing to stop under a storage module in use
+        re.compile(
+            r"Please close all nvmet? sessions and unload '(?P<module>nvmet?_rdma)'"
+            r"|Please close all isert sessions and unload 'ib_isert'"
+            r"|Please make sure module '(?P<m2>rpcrdma|xprtrdma|ib_srpt)' is not in use"
+            r"|Please logout from all open-iscsi over iSER sessions"
+            r"|Please flush multipath devices running over SRP devices"
+        ),
+        OPENIBD,
+        ("please close all", "please make sure module", "over iser sessions", "over srp devices"),
     ),
     Signature(
         "storage-symbol",
         re.compile(r"\b" + _STORAGE + _SYMBOL_WORDS),
-        f"{KERNEL_MODULE}; {KMOD} (depmod)",
+        f"{KERNEL}; {KMOD} (depmod); Mellanox/doca-driver-build PR 79; spdk/spdk issue 684",
         ("disagrees about version of symbol", "unknown symbol"),
     ),
     Signature(
+        "storage-symbol",
+        re.compile(
+            _INSERT + _STORAGE + r"(?:\.ko)?'?: (?P<how>Invalid argument|Unknown symbol in module)"
+        ),
+        KMOD,
+        ("could not insert",),
+    ),
+    Signature(
         "module-in-use",
+        # rmmod "Module %s is in use by: ..." (garbled after "by:" in kmod 34), "Module %s is
+        # in use"; modprobe -r "Module %s is in use."
         re.compile(r"Module (\w+) is in use(?: by:? ?(\S+))?"),
-        f"{KMOD} (rmmod); Mellanox/doca-driver-build PR 481",
+        f"{KMOD} (rmmod, modprobe -r); Mellanox/doca-driver-build PR 481",
         (" is in use",),
+    ),
+    Signature(
+        "module-in-use",
+        # the DOCA container refusing before its restart: nvidia_peermem is in use
+        re.compile(
+            r"Module (nvidia_peermem) is used and will FAIL driver reload"
+            r"|failed to unload (nvidia_peermem) module"
+        ),
+        DOCA,
+        ("nvidia_peermem",),
     ),
     Signature(
         "vf-no-netdev",
@@ -303,6 +461,26 @@ _BY_NAME = {s.name: s for s in SIGNATURES}
 # are in most chunks.
 PREFILTER_WORDS = (
     b"peermem",
+    b"can't insert",
+    b"can't load module",
+    b"could not insert",
+    b"version magic",
+    b"required module is not loaded",
+    b"access layer",
+    b"failed]",
+    b"failed ]",
+    b"cannot unload the infiniband",
+    b"occured while restarting driver",
+    b"key was rejected",
+    b"required key not",
+    b"unsigned module",
+    b"exit_code=",
+    b"driver ready indicator",
+    b"waiting for mellanox ofed",
+    b"please close all",
+    b"please make sure module",
+    b"over iser sessions",
+    b"over srp devices",
     b"peer_mem",
     b"storage modules",
     b"unknown symbol",
@@ -357,14 +535,17 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident(
         "peermem-einval-unexplained",
         "the GPUDirect module failed to load with Invalid argument, and these logs do not say why",
-        "two causes fit; the kernel's lines and MOFED's log at that minute tell them apart. "
-        "(1) A load while MOFED restarted its RDMA stack (peermem-load-race): MOFED's "
+        "three causes fit; the kernel's lines and MOFED's log at that minute tell them "
+        "apart. (1) A load while MOFED restarted its RDMA stack (peermem-load-race): MOFED's "
         "container log shows 'Unsetting driver ready state' or an openibd restart at that "
-        "minute, and dmesg has no 'disagrees' line for it; remedy: load it after MOFED's "
-        "ready flag (/run/mellanox/drivers/.driver-ready), restart the driver pod once MOFED "
-        "is ready. (2) A module built against another MOFED (peermem-abi-mismatch): `dmesg | "
-        "grep -i peermem` shows 'disagrees about version of symbol' on every try; remedy: "
-        "recreate the GPU driver pod so it is rebuilt against the MOFED loaded",
+        "minute, a later try works; remedy: load it after MOFED's ready flag "
+        "(/run/mellanox/drivers/.driver-ready), restart the driver pod once MOFED is ready. "
+        "(2) A module built against another MOFED (peermem-abi-mismatch): `dmesg | grep -i "
+        "peermem` shows 'disagrees about version of symbol' on every try; remedy: recreate "
+        "the GPU driver pod so it is rebuilt against the MOFED loaded. (3) A module built "
+        "with no MOFED present (its init returns EINVAL and the kernel prints nothing): "
+        "every try fails and dmesg is silent; remedy: rebuild it once MOFED is installed "
+        "(GPU Operator: recreate the driver pod after MOFED's pod is ready)",
         (HOLD_MODES[0], f"{HOLD_MODES[1]} (the race only)"),
         ("operator-peermem", "operator-peermem-dm09 (either cause)"),
     ),
@@ -431,6 +612,17 @@ INCIDENTS: tuple[Incident, ...] = (
         "stopped first",
         MODES[:3],
         (),
+    ),
+    Incident(
+        "openibd-restart-failed",
+        "MOFED's openibd restart failed (or its log ends mid-restart), so the RDMA stack "
+        "was not loaded back",
+        "read openibd's output in the MOFED container's log (it is printed after openibd "
+        "ends, just before 'Command \"/etc/init.d/openibd restart\" failed'): a module "
+        "named '[FAILED]' is in use (lsmod shows by what) or is not MOFED's build; fix "
+        "that, then restart the MOFED pod",
+        (),
+        MODES[:3],
     ),
     Incident(
         "vf-restore-before-netdev",
@@ -510,13 +702,36 @@ class Window:
 def restart_windows(found: Found) -> list[Window]:
     ends = [e for e in found["mofed-ready"] if e.stamp]
     out = []
-    for b in found["mofed-restarting"]:
+    for b in found["mofed-restarting"] + found["openibd-restart-begin"]:
         end = None
         if b.stamp:
             after = [e for e in ends if e.stamp and e.stamp.clock == b.stamp.clock]
             after = [e for e in after if e.stamp and b.stamp and e.stamp.t >= b.stamp.t]
             end = min(after, key=lambda e: e.stamp.t if e.stamp else 0.0, default=None)
         out.append(Window(b, end))
+    return out
+
+
+def _first_after(b: Evidence, evs: list[Evidence]) -> Evidence | None:
+    return min(
+        (e for e in evs if e.file == b.file and e.line > b.line), key=lambda e: e.line, default=None
+    )
+
+
+def unfinished_restarts(found: Found) -> list[Evidence]:
+    """openibd restarts a container ran (exec_cmd, traced or logged) that its log does not
+    see end well: the trace's exit_code after it is not 0, or nothing after it in that
+    file says the stack loaded (openibd's OK, the ready flag)."""
+    out = []
+    exits = found["openibd-trace-exit"]
+    oks = found["openibd-ok"] + found["mofed-ready"]
+    for b in found["openibd-restart-begin"]:
+        code = _first_after(b, exits)
+        if code is not None:
+            if code.get("code") != "0":
+                out.append(code)
+        elif _first_after(b, oks) is None:
+            out.append(b)
     return out
 
 
@@ -538,7 +753,7 @@ def _symbol_cause(ev: Evidence) -> str:
     CRC mismatch, -EBUSY from a provider still in its init, -ENOENT (0 before 4.x: a
     NULL symbol) for none exported)."""
     how, err, sym = ev.get("how") or "", ev.get("err"), ev.get("symbol") or ""
-    if how.startswith("disagrees") or err == "-22":
+    if how.startswith(("disagrees", "version magic")) or err == "-22":
         return "crc"
     if err == "-16":
         return "busy"
@@ -605,9 +820,17 @@ def classify(found: Found) -> list[Finding]:
         cause = _symbol_cause(e)
         if cause in ("no-peer-api", "no-gpu-driver"):
             add(f"peermem-{cause}", e)
+    for e in found["peermem-no-gpu-driver-loaded"]:
+        add("peermem-no-gpu-driver" if e.get("provider") == "nvidia" else "peermem-no-peer-api", e)
     if found["peermem-not-built"]:
         add("peermem-not-built", *found["peermem-not-built"])
-    if found["peermem-load-failed"] and not any(k.startswith("peermem-") for k in out):
+    # a failure with no reason in these logs: only when nothing above explains a load, and
+    # not beside a signature rejection (secure boot: not this tool's incident)
+    if (
+        found["peermem-load-failed"]
+        and not any(k.startswith("peermem-") for k in out)
+        and not found["module-signature-rejected"]
+    ):
         add("peermem-load-failed", *found["peermem-load-failed"])
 
     if found["storage-modules-loaded"]:
@@ -616,6 +839,24 @@ def classify(found: Found) -> list[Finding]:
         add("storage-module-other-stack", *found["storage-symbol"])
     if found["module-in-use"]:
         add("openibd-module-in-use", *found["module-in-use"])
+    # openibd failed: said by its own [FAILED] lines, by the container, or by a restart
+    # its trace does not see end; the more specific kinds above own their lines
+    failed = found["openibd-failed"] + unfinished_restarts(found)
+    if failed:
+        owner = next(
+            (k for k in ("openibd-module-in-use", "storage-blocks-mofed") if k in out), None
+        )
+        if owner:
+            add(owner, *failed)
+        else:
+            note = ""
+            if not found["openibd-failed"]:
+                note = (
+                    "the container's log shows openibd restart start and not end well "
+                    "(no exit code 0, no 'Loading HCA driver and Access Layer: [ OK ]', no "
+                    "ready flag after it): it failed, or the log was cut mid-restart"
+                )
+            add("openibd-restart-failed", *failed, note=note)
     if found["vf-no-netdev"]:
         add("vf-restore-before-netdev", *found["vf-no-netdev"])
     order = {i.kind: n for n, i in enumerate(INCIDENTS)}

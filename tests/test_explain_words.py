@@ -1,0 +1,454 @@
+"""``nodeagent explain`` on the words of the tools that print them (issue 41): the kernel's
+module loader, kmod, busybox, openibd, the DOCA driver container, the GPU driver
+container and its sidecar, nv_peer_mem's script and unit, each excerpt written from the
+source's format (core/explain.py names the file of each), in every shape a log gives
+it: kubectl --timestamps, the must-gather's --prefix, dmesg, dmesg -T, journalctl,
+CRLF, ANSI colour. Then the rules that correlate lines, and the families that must stay
+silent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from nodeagent.core.explain import INCIDENTS, PREFILTER_WORDS, SIGNATURES, explain_lines
+
+Shape = Callable[[str], str]
+SHAPES: dict[str, Shape] = {
+    "plain": lambda m: m,
+    "kubectl --timestamps": lambda m: f"2026-11-21T11:51:41.123456789Z {m}",
+    "must-gather --prefix": lambda m: (
+        f"[pod/nvidia-driver-daemonset-7xk2p/ctr] 2026-11-21T11:51:41Z {m}"
+    ),
+    "dmesg": lambda m: f"[  812.345678] {m}",
+    "dmesg -T": lambda m: f"[Fri Nov 21 11:51:41 2026] {m}",
+    "journalctl": lambda m: f"Nov 21 11:51:41 gpu-1 kernel: {m}",
+    "CRLF": lambda m: f"{m}\r\n",
+    "ANSI colour": lambda m: f"\x1b[1;31m{m}\x1b[0;39m",
+}
+
+
+def kinds(*lines: str, file: str = "log") -> list[str]:
+    doc = explain_lines([(file, list(lines))])
+    return [i["kind"] for i in doc["incidents"]]
+
+
+# (excerpt, the kind it is): each line as its tool prints it
+KERNEL_AND_KMOD: list[tuple[list[str], str]] = [
+    (
+        [  # CRC mismatch: the kernel's pair, modprobe's EINVAL (gpu-operator#2868)
+            "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument",
+            "nvidia_peermem: disagrees about version of symbol ib_register_peer_memory_client",
+            "nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -22)",
+        ],
+        "peermem-abi-mismatch",
+    ),
+    (  # nv_peer_mem against another NVIDIA driver's symbols (nv_peer_memory#8)
+        ["nv_peer_mem: disagrees about version of symbol nvidia_p2p_get_pages"],
+        "peermem-abi-mismatch",
+    ),
+    (  # built for another kernel
+        [
+            "nvidia_peermem: version magic '5.15.0-91-generic SMP mod_unload modversions ' "
+            "should be '5.15.0-94-generic SMP mod_unload modversions '"
+        ],
+        "peermem-abi-mismatch",
+    ),
+    (  # err 0: kernels 2.6.35-4.18 for a symbol nobody exports (nv_peer_memory#84)
+        ["nv_peer_mem: Unknown symbol ib_register_peer_memory_client (err 0)"],
+        "peermem-no-peer-api",
+    ),
+    (
+        ["nvidia_peermem: Unknown symbol ib_register_peer_memory_client (err -2)"],
+        "peermem-no-peer-api",
+    ),
+    (
+        ["nv_peer_mem: Unknown symbol ib_unregister_peer_memory_client"],
+        "peermem-no-peer-api",
+    ),  # 2.6.32
+    (
+        [  # depmod -e
+            "depmod: WARNING: /lib/modules/3.10.0-1127.19.1.el7.x86_64/extra/nv_peer_mem.ko "
+            "needs unknown symbol ib_register_peer_memory_client"
+        ],
+        "peermem-no-peer-api",
+    ),
+    (["nvidia_peermem: Unknown symbol nvidia_p2p_get_pages (err -2)"], "peermem-no-gpu-driver"),
+    (["nvidia_peermem: gave up waiting for init of module ib_core."], "peermem-load-race"),
+    (
+        ["modprobe: ERROR: could not insert 'nvidia_peermem': Device or resource busy"],
+        "peermem-load-race",
+    ),
+    (
+        [
+            "modprobe: ERROR: could not insert 'nv_peer_mem': Unknown symbol in module, or "
+            "unknown parameter (see dmesg)"
+        ],
+        "peermem-load-failed",
+    ),
+    (
+        ["insmod: ERROR: could not insert module nvidia-peermem.ko: Invalid parameters"],
+        "peermem-einval-unexplained",
+    ),
+    (
+        ["modprobe: can't load module nvidia_peermem (kernel/nvidia-peermem.ko): invalid argument"],
+        "peermem-einval-unexplained",
+    ),  # busybox
+    (
+        ["modprobe: FATAL: Module nvidia-peermem not found in directory /lib/modules/5.15.0-91"],
+        "peermem-not-built",
+    ),
+    (  # modprobe -a: the same line as a warning (the driver container's form)
+        ["modprobe: WARNING: Module nvidia-peermem not found in directory /lib/modules/6.8.0"],
+        "peermem-not-built",
+    ),
+    (["modinfo: ERROR: Module nvidia-peermem not found."], "peermem-not-built"),
+    (  # a storage module of one stack meeting the other (doca-driver-build PR 79)
+        ["nvme_rdma: Unknown symbol nvme_init_ctrl_finish (err -22)"],
+        "storage-module-other-stack",
+    ),
+    (
+        [
+            "rpcrdma: disagrees about version of symbol ib_dealloc_pd_user",
+            "rpcrdma: Unknown symbol ib_dealloc_pd_user (err -22)",
+        ],
+        "storage-module-other-stack",
+    ),
+    (["rpcrdma: Unknown symbol ib_alloc_cq (err 0)"], "storage-module-other-stack"),  # spdk#684
+    (["ib_iser: Unknown symbol __ib_alloc_pd (err -22)"], "storage-module-other-stack"),
+    (["ib_srp: disagrees about version of symbol ib_create_cm_id"], "storage-module-other-stack"),
+    (
+        ["modprobe: ERROR: could not insert 'rpcrdma': Invalid argument"],
+        "storage-module-other-stack",
+    ),
+    (["rmmod: ERROR: Module ib_uverbs is in use by: nvidia_peermem"], "openibd-module-in-use"),
+    (["modprobe: FATAL: Module ib_core is in use."], "openibd-module-in-use"),
+]
+
+OPENIBD_AND_CONTAINERS: list[tuple[list[str], str]] = [
+    (["Loading HCA driver and Access Layer:[FAILED]"], "openibd-restart-failed"),
+    (["No HCA kernel modules loaded:[FAILED]"], "openibd-restart-failed"),
+    (["Failed loading kernel module mlx5_ib:[FAILED]"], "openibd-restart-failed"),
+    (["Avoid loading inbox module: mlx5_core[FAILED]"], "openibd-restart-failed"),
+    (
+        [
+            "[26-Sep-26_05:02:10] Apply blacklisted mofed modules file to host "
+            "(/host/etc/modprobe.d/blacklist-ofed-modules.conf)",
+            "Unloading ib_core[FAILED]",
+            "rmmod: ERROR: Module ib_core is in use by: nvidia_peermem",
+            '[26-Sep-26_05:02:12] Command "/etc/init.d/openibd restart" failed with exit code: 1',
+        ],
+        "openibd-module-in-use",
+    ),
+    (
+        ['[26-Sep-26_05:02:12] Command "/etc/init.d/openibd restart" failed with exit code: 1'],
+        "openibd-restart-failed",
+    ),
+    (["Error occured while restarting driver"], "openibd-restart-failed"),  # ofed-docker [sic]
+    (
+        [
+            'ERROR\tentrypoint/entrypoint.go:110\texec failed\t{"error": "startErr: failed to '
+            'restart driver: failed to restart openibd service: exit status 1, stopErr <nil>"}'
+        ],
+        "openibd-restart-failed",
+    ),
+    (
+        [
+            "Please close all nvme sessions and unload 'nvme_rdma' module.",
+            "Error: Cannot unload the Infiniband driver stack due to the above issue(s)!",
+        ],
+        "storage-blocks-mofed",
+    ),
+    (
+        ["Please make sure module 'rpcrdma' is not in use and unload it."],
+        "storage-blocks-mofed",
+    ),
+    (
+        [  # the Go entrypoint: lower case, no space after the comma
+            'ERROR\tentrypoint/entrypoint.go:308\tkernel modules check failed\t{"error": '
+            '"storage modules are loaded for current driver,terminating prior driver reload '
+            'failure due to UNLOAD_STORAGE_MODULES not set to \\"true\\""}'
+        ],
+        "storage-blocks-mofed",
+    ),
+    (
+        [
+            "[26-Sep-26_05:02:12] Module nvidia_peermem is used and will FAIL driver reload, "
+            "aborting execution."
+        ],
+        "openibd-module-in-use",
+    ),
+    (
+        [
+            "ERROR\tentrypoint/entrypoint.go:290\tfailed to unload nvidia_peermem module\t"
+            '{"error": "module is used by other modules: ib_core"}'
+        ],
+        "openibd-module-in-use",
+    ),
+    (
+        ["starting... Error: the following required module is not loaded: nvidia"],
+        "peermem-no-gpu-driver",
+    ),
+    (["starting... Module nv_peer_mem does not exist"], "peermem-not-built"),
+    (["nv_peer_mem.service: Failed with result 'exit-code'."], "peermem-load-failed"),
+    (["failed to load nvidia-peermem module"], "peermem-load-failed"),  # the sidecar
+]
+
+EXCERPTS = [
+    pytest.param(lines, kind, shape, id=f"{kind}:{lines[-1][:40]}:{shape}")
+    for lines, kind in KERNEL_AND_KMOD + OPENIBD_AND_CONTAINERS
+    for shape in SHAPES
+]
+
+
+@pytest.mark.parametrize(("lines", "kind", "shape"), EXCERPTS)
+def test_each_family_in_each_log_shape(lines: list[str], kind: str, shape: str) -> None:
+    assert kinds(*map(SHAPES[shape], lines)) == [kind]
+
+
+@pytest.mark.parametrize(("lines", "kind"), KERNEL_AND_KMOD + OPENIBD_AND_CONTAINERS)
+def test_each_excerpt_passes_the_chunk_prefilter(lines: list[str], kind: str) -> None:
+    """A chunk of a big log is split into lines only if it has a prefilter word."""
+    for line in lines:
+        if any(s.found_in(line, line.lower()) for s in SIGNATURES):
+            assert any(w in line.lower().encode() for w in PREFILTER_WORDS), line
+
+
+def test_every_signature_s_words_hold_a_prefilter_word() -> None:
+    """Every line a form matches has one of its words (test_explain_linear checks), so a
+    word holding a prefilter word lets no line of it be skipped with its chunk. The VF
+    restore forms' words are cut short ("vf re", "tore": case-blind letters); what they
+    match holds "restore". The harmless callback is evidence of nothing."""
+    for sig in SIGNATURES:
+        if sig.name == "vf-restore-failed":
+            assert b"restore" in PREFILTER_WORDS
+            continue
+        if sig.name == "peermem-harmless-callback":  # evidence of no incident
+            continue
+        for word in sig.needs:
+            assert any(w.decode() in word for w in PREFILTER_WORDS), (sig.name, word)
+
+
+def test_every_kind_is_reached_by_some_excerpt() -> None:
+    reached = {k for _, k in KERNEL_AND_KMOD + OPENIBD_AND_CONTAINERS}
+    reached |= {"peermem-load-race", "vf-restore-before-netdev"}  # below, and test_explain
+    assert reached == {i.kind for i in INCIDENTS}
+
+
+def test_a_systemctl_status_block_of_nv_peer_mem() -> None:
+    block = [
+        "× nv_peer_mem.service - LSB: Activates/Deactivates nv_peer_mem to \\ start at boot time.",
+        "     Loaded: loaded (/etc/init.d/nv_peer_mem; generated)",
+        "     Active: failed (Result: exit-code) since Fri 2026-11-21 11:00:01 UTC; 3min ago",
+        "    Process: 812 ExecStart=/etc/init.d/nv_peer_mem start (code=exited, status=1/FAILURE)",
+        "Nov 21 11:00:01 gpu-8 systemd[1]: Starting LSB: Activates/Deactivates nv_peer_mem to \\ "
+        "start at boot time....",
+        "Nov 21 11:00:01 gpu-8 nv_peer_mem[812]: starting... modprobe: ERROR: could not insert "
+        "'nv_peer_mem': Invalid argument",
+        "Nov 21 11:00:01 gpu-8 nv_peer_mem[812]: Failed to load nv_peer_mem",
+        "Nov 21 11:00:01 gpu-8 systemd[1]: nv_peer_mem.service: Control process exited, "
+        "code=exited, status=1/FAILURE",
+        "Nov 21 11:00:01 gpu-8 systemd[1]: nv_peer_mem.service: Failed with result 'exit-code'.",
+        "Nov 21 11:00:01 gpu-8 systemd[1]: Failed to start LSB: Activates/Deactivates "
+        "nv_peer_mem to \\ start at boot time..",
+    ]
+    assert kinds(*block) == ["peermem-einval-unexplained"]
+    # and with the kernel's lines from journalctl -k of that second
+    kernel = (
+        "Nov 21 11:00:01 gpu-8 kernel: nv_peer_mem: disagrees about version of symbol "
+        "ib_register_peer_memory_client"
+    )
+    assert kinds(*block, kernel) == ["peermem-abi-mismatch"]
+
+
+DOCA_TRACE_HEAD = [
+    "+ exec_cmd '/etc/init.d/openibd restart'",
+    "+ debug_print 'Executing command: /etc/init.d/openibd restart'",
+    "+ true",
+    "+ timestamp_print Executing command: /etc/init.d/openibd restart",
+    "++ date +%d-%b-%y_%H:%M:%S",
+    "+ date_time_stamp=26-Sep-26_05:02:12",
+    "[26-Sep-26_05:02:12] Executing command: /etc/init.d/openibd restart",
+    "++ eval '/etc/init.d/openibd restart'",
+    "+++ /etc/init.d/openibd restart",
+]
+
+
+def test_a_doca_entrypoint_trace_that_ends_without_its_success_line() -> None:
+    doc = explain_lines([("mofed-container.log", DOCA_TRACE_HEAD)])
+    (inc,) = doc["incidents"]
+    assert inc["kind"] == "openibd-restart-failed"
+    assert "cut mid-restart" in inc["notes"][0]
+    failed = [*DOCA_TRACE_HEAD, "+ output='Unloading ib_core[FAILED]\r", "+ exit_code=1"]
+    assert kinds(*failed) == ["openibd-restart-failed"]
+
+
+def test_a_doca_entrypoint_trace_that_restarts_well_is_silent() -> None:
+    ok = [
+        *DOCA_TRACE_HEAD,
+        "+ output='Unloading HCA driver:\x1b[60G[  \x1b[1;32mOK\x1b[0;39m  ]\r",
+        "Loading HCA driver and Access Layer:\x1b[60G[  \x1b[1;32mOK\x1b[0;39m  ]\r'",
+        "+ exit_code=0",
+        "+ [[ 0 -ne 0 ]]",
+        "[26-Sep-26_05:03:40] Setting driver ready state",
+    ]
+    assert kinds(*ok) == []
+    # ofed-docker's bash -x, and openibd's own lines in colour, without a trace
+    assert (
+        kinds("+ /etc/init.d/openibd restart", "Loading HCA driver and Access Layer:[  OK  ]") == []
+    )
+    assert kinds("+ /etc/init.d/openibd restart") == ["openibd-restart-failed"]
+
+
+# ---------------------------------------------------------------- correlation
+
+EINVAL = "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument"
+CRC = "nvidia_peermem: disagrees about version of symbol ib_register_peer_memory_client"
+MOFED = [
+    "[21-Nov-26_11:51:06] Unsetting driver ready state",
+    "[21-Nov-26_11:51:13] DTK driver build script start",
+    "[21-Nov-26_11:58:39] Setting driver ready state",
+]
+
+
+def explain(*files: tuple[str, list[str]]) -> dict[str, Any]:
+    return explain_lines(list(files))
+
+
+def only(doc: dict[str, Any]) -> dict[str, Any]:
+    (inc,) = doc["incidents"]
+    return inc
+
+
+def test_the_same_load_by_timestamp_across_files_is_an_abi_mismatch() -> None:
+    doc = explain(
+        ("driver.log", [f"2026-11-21T12:00:00.5Z {EINVAL}"]),
+        ("dmesg-T.txt", ["noise"] * 50 + [f"[Fri Nov 21 12:00:01 2026] {CRC}"]),
+    )
+    inc = only(doc)
+    assert inc["kind"] == "peermem-abi-mismatch"
+    assert [e["file"] for e in inc["evidence"]] == ["driver.log", "dmesg-T.txt"]
+
+
+def test_a_disagrees_line_of_another_time_is_not_this_load_s_reason() -> None:
+    doc = explain(
+        ("driver.log", [f"2026-11-21T12:00:00Z {EINVAL}"]),
+        ("dmesg-T.txt", [f"[Fri Nov 21 09:14:00 2026] {CRC}"]),
+    )
+    assert [i["kind"] for i in doc["incidents"]] == [
+        "peermem-abi-mismatch",  # the kernel's line is its own evidence, of an earlier load
+        "peermem-einval-unexplained",
+    ]
+
+
+def test_an_invalid_argument_inside_mofed_s_restart_window_is_the_race() -> None:
+    doc = explain(("mofed.log", MOFED), ("driver.log", [f"2026-11-21T11:52:10Z {EINVAL}"]))
+    inc = only(doc)
+    assert inc["kind"] == "peermem-load-race"
+    assert [e["text"] for e in inc["evidence"]] == [
+        EINVAL,
+        "[21-Nov-26_11:51:06] Unsetting driver ready state",
+    ]
+
+
+def test_mid_restart_the_disagrees_lines_are_the_race_s_too() -> None:
+    """Mid-restart the ib_core a load meets may be the inbox one (the real-kernel seeds)."""
+    doc = explain(
+        ("mofed.log", MOFED),
+        ("driver.log", [f"2026-11-21T11:52:10Z {EINVAL}"]),
+        ("dmesg", [f"[Fri Nov 21 11:52:10 2026] {CRC}"]),
+    )
+    assert only(doc)["kind"] == "peermem-load-race"
+
+
+def test_after_the_restart_window_it_is_not_the_race() -> None:
+    doc = explain(("mofed.log", MOFED), ("driver.log", [f"2026-11-21T12:30:00Z {EINVAL}"]))
+    inc = only(doc)
+    assert inc["kind"] == "peermem-einval-unexplained"
+    assert "not at the time of this load" in inc["notes"][0]
+
+
+def test_with_no_time_to_compare_a_restart_in_the_logs_is_taken_as_the_race() -> None:
+    doc = explain(("mofed.log", MOFED), ("driver.log", ["Loading NVIDIA Peer Memory...", EINVAL]))
+    inc = only(doc)
+    assert inc["kind"] == "peermem-load-race" and "not on one clock" in inc["notes"][0]
+
+
+def test_a_line_takes_its_file_s_last_time_only_nearby() -> None:
+    near = [
+        "time=2026-11-21T11:52:09Z level=info msg=Mellanox device found at 0000:01:00.0",
+        EINVAL,
+    ]
+    assert kinds(*near) == ["peermem-einval-unexplained"]
+    doc = explain(("mofed.log", MOFED), ("driver.log", near))
+    assert only(doc)["kind"] == "peermem-load-race"
+    far = [near[0], *["x"] * 30, EINVAL]  # past INHERIT_LINES: no time; race by presence
+    doc = explain(("mofed.log", MOFED), ("driver.log", far))
+    assert "not on one clock" in only(doc)["notes"][0]
+
+
+def test_dmesg_seconds_since_boot_are_not_compared_with_wall_clock() -> None:
+    doc = explain(
+        ("driver.log", [f"2026-11-21T12:00:00Z {EINVAL}"]),
+        ("dmesg.txt", ["x"] * 30 + [f"[  812.345678] {CRC}"]),
+    )
+    assert [i["kind"] for i in doc["incidents"]] == [
+        "peermem-abi-mismatch",
+        "peermem-einval-unexplained",
+    ]
+
+
+# ---------------------------------------------------------------- silence
+
+UNRELATED = [
+    # Xid and a GPU off the bus
+    "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.",
+    "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
+    "NVRM: Xid (PCI:0000:18:00): 13, Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0)",
+    # image pulls
+    'Failed to pull image "nvcr.io/nvidia/driver:550.54.15-ubuntu22.04": rpc error: code = '
+    "NotFound desc = failed to pull and unpack image",
+    'Back-off pulling image "nvcr.io/nvidia/cloud-native/k8s-driver-manager:v0.6.8"',
+    "Error: ErrImagePull",
+    # NCCL
+    "NCCL WARN NET/IB : Got completion from peer 10.0.0.2<45678> with error 12, opcode 0",
+    "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1, "
+    "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.",
+    # a driver build that failed for its own reasons
+    "Could not resolve Linux kernel version",
+    "Unable to install kernel headers for 5.15.0-1040-aws: E: Unable to locate package",
+    'ERROR: An error occurred while performing the step: "Building kernel modules".',
+    "make[2]: *** [scripts/Makefile.build:286: nvidia/nv.o] Error 1",
+    # secure boot, lockdown, signatures: not this tool's incident
+    "nvidia: module verification failed: signature and/or required key missing - tainting kernel",
+    "Lockdown: modprobe: unsigned module loading is restricted; see man kernel_lockdown.7",
+    "modprobe: ERROR: could not insert 'nvidia': Key was rejected by service",
+    "modprobe: ERROR: could not insert 'nvidia_peermem': Key was rejected by service",
+    "failed to load nvidia-peermem module",
+    "modprobe: ERROR: could not insert 'nvidia': Required key not available",
+    # mlx5 and others that are not ordering failures
+    "mlx5_core 0000:01:00.0: mlx5_cmd_out_err:803:(pid 1234): QUERY_HCA_CAP(0x100) op_mod(0x0) "
+    "failed, status bad parameter(0x3), syndrome (0x6a7f95), err(-22)",
+    "mlx5_core 0000:01:00.0: firmware version: 28.39.1002",
+    "Memory cgroup out of memory: Killed process 4242 (python)",
+    "dcgm-exporter: Error connecting to nv-hostengine: Host engine connection invalid/disconnected",
+    "Could not unload NVIDIA driver kernel modules, driver is in use",
+    # the harmless callback of a loaded peermem (nv_peer_memory#120)
+    "nvidia-peermem nv_get_p2p_free_callback:127 ERROR detected invalid context, skipping",
+    # a successful restart, with its words
+    "Loading HCA driver and Access Layer:[  OK  ]",
+    "[26-Sep-26_05:03:40] Setting driver ready state",
+    "[26-Sep-26_05:03:41] Restoring SR-IOV config for device: 0000:01:00.0 (VFs=4) netdev "
+    "name: ens1f0np0",
+    "time=2026-08-19T16:33:09Z level=info msg=Waiting for MOFED to be installed...",
+    "waiting for mellanox ofed and nvidia drivers to be installed",
+    "successfully loaded nvidia-peermem module, now waiting for signal",
+    "Starting nginx: [FAILED]",
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_unrelated_families_stay_silent_in_every_shape(shape: str) -> None:
+    assert kinds(*map(SHAPES[shape], UNRELATED)) == []
