@@ -125,11 +125,34 @@ KERNEL_AND_KMOD: list[tuple[list[str], str]] = [
     ),
     (["rmmod: ERROR: Module ib_uverbs is in use by: nvidia_peermem"], "openibd-module-in-use"),
     (["modprobe: FATAL: Module ib_core is in use."], "openibd-module-in-use"),
+    (  # any other module of the RDMA stack's users, its builds meeting
+        [
+            "mlx5_ib: disagrees about version of symbol ib_umem_release",
+            "mlx5_ib: Unknown symbol ib_umem_release (err -22)",
+        ],
+        "rdma-module-other-stack",
+    ),
+    (["mlx5_vdpa: Unknown symbol mlx5_db_free (err -22)"], "rdma-module-other-stack"),
+    (
+        [  # the GPUDirect module's own source failing to compile: nothing to load
+            "/var/lib/dkms/nv_peer_mem/1.3/build/nv_peer_mem.c:477:15: error: variable "
+            "'nv_mem_client_ex' has initializer but incomplete type"
+        ],
+        "peermem-not-built",
+    ),
 ]
 
 OPENIBD_AND_CONTAINERS: list[tuple[list[str], str]] = [
     (["Loading HCA driver and Access Layer:[FAILED]"], "openibd-restart-failed"),
     (["No HCA kernel modules loaded:[FAILED]"], "openibd-restart-failed"),
+    (  # older openibd, modules not built for the running kernel
+        ["Module mlx5_core does not exist, skipping...               [FAILED]"],
+        "openibd-restart-failed",
+    ),
+    (
+        ["Loading rdma_ucm                                           [FAILED]"],
+        "openibd-restart-failed",
+    ),
     (["Failed loading kernel module mlx5_ib:[FAILED]"], "openibd-restart-failed"),
     (["Avoid loading inbox module: mlx5_core[FAILED]"], "openibd-restart-failed"),
     (
@@ -428,6 +451,11 @@ UNRELATED = [
     "modprobe: ERROR: could not insert 'nvidia_peermem': Key was rejected by service",
     "failed to load nvidia-peermem module",
     "modprobe: ERROR: could not insert 'nvidia': Required key not available",
+    # another driver's symbols disagreeing (Hyper-V's), and a GPU driver build's error
+    "hv_network_direct: disagrees about version of symbol vmbus_sendpacket",
+    "hv_network_direct: Unknown symbol vmbus_sendpacket (err -22)",
+    "/usr/src/nvidia-550.54.15/kernel/nvidia/nv.c:123:4: error: implicit declaration of "
+    "function 'foo'",
     # mlx5 and others that are not ordering failures
     "mlx5_core 0000:01:00.0: mlx5_cmd_out_err:803:(pid 1234): QUERY_HCA_CAP(0x100) op_mod(0x0) "
     "failed, status bad parameter(0x3), syndrome (0x6a7f95), err(-22)",

@@ -250,6 +250,14 @@ SIGNATURES: tuple[Signature, ...] = (
         ("peermem not found", "peer_mem not found", "peermem' not found", "peer_mem does not"),
     ),
     Signature(
+        "peermem-not-built",
+        # the compiler's error in the GPUDirect module's own source (a DKMS or driver
+        # container build): no module comes of it
+        re.compile(r"(?:nvidia-peermem|nv_peer_mem)\.c:\d+:\d+: (?:fatal )?error:"),
+        "gcc's diagnostics, as DKMS and the driver containers log a build",
+        ("peermem.c:", "peer_mem.c:"),
+    ),
+    Signature(
         "peermem-no-gpu-driver-loaded",
         # nv_peer_mem's init script checks its required modules first
         re.compile(r"required module is not loaded: (?P<provider>nvidia|ib_core)\b"),
@@ -287,7 +295,8 @@ SIGNATURES: tuple[Signature, ...] = (
         re.compile(
             r"(?P<what>Loading HCA driver and Access Layer|No HCA kernel modules loaded"
             r"|Failed loading kernel module [\w.-]{1,64}|Module not found: [\w.-]{1,64}"
-            r"|Avoid loading inbox module: [\w.-]{1,64}|Unloading [\w.-]{1,64})"
+            r"|Avoid loading inbox module: [\w.-]{1,64}|(?:Unl|L)oading [\w.-]{1,64}"
+            r"|Module [\w.-]{1,64} does not exist, skipping\.{0,3})"
             r":? {0,80}\[ {0,4}FAILED {0,4}\]"
         ),
         OPENIBD,
@@ -392,6 +401,18 @@ SIGNATURES: tuple[Signature, ...] = (
         ("could not insert",),
     ),
     Signature(
+        "rdma-symbol",
+        # any other module that takes RDMA-stack or mlx5 symbols (mlx5_ib, mlx5_vdpa, an
+        # SMB-Direct or DRBD transport...): the same meeting of the two stacks' builds
+        re.compile(
+            r"(?<!\S)(?P<module>\w+)(?:\.ko)?:? (?P<how>disagrees about version of|Unknown) "
+            r"symbol (?P<symbol>(?:__)?(?:ib|rdma|mlx5|mlx4|iw|uverbs|mlxfw)_\w+)"
+            r"(?: \(err (?P<err>-?\d+)\))?"
+        ),
+        f"{KERNEL}; Mellanox/doca-driver-build PR 51 (mlx5_vdpa), issue 52 (mlx5_ib)",
+        ("disagrees about version of symbol", "unknown symbol"),
+    ),
+    Signature(
         "module-in-use",
         # rmmod "Module %s is in use by: ..." (garbled after "by:" in kmod 34), "Module %s is
         # in use"; modprobe -r "Module %s is in use."
@@ -461,6 +482,7 @@ _BY_NAME = {s.name: s for s in SIGNATURES}
 # are in most chunks.
 PREFILTER_WORDS = (
     b"peermem",
+    b"peermem.c:",
     b"can't insert",
     b"can't load module",
     b"could not insert",
@@ -603,6 +625,17 @@ INCIDENTS: tuple[Incident, ...] = (
         "flag (nodeagent's storage guard does both)",
         MODES,
         (),
+    ),
+    Incident(
+        "rdma-module-other-stack",
+        "a module built for one RDMA stack (inbox or MOFED) met the other's mlx5/RDMA "
+        "symbols, so it could not load",
+        "load it from the stack that is loaded: after MOFED's restart, MOFED's own build "
+        "(inbox auxiliaries such as mlx5_vdpa are blacklisted during the restart and loaded "
+        "after it); a module of your own built against the inbox ib_core (an SMB-Direct or "
+        "DRBD transport) must be rebuilt against MOFED's (its ofa_kernel headers)",
+        (),
+        MODES,
     ),
     Incident(
         "openibd-module-in-use",
@@ -837,6 +870,8 @@ def classify(found: Found) -> list[Finding]:
         add("storage-blocks-mofed", *found["storage-modules-loaded"])
     if found["storage-symbol"]:
         add("storage-module-other-stack", *found["storage-symbol"])
+    if found["rdma-symbol"]:
+        add("rdma-module-other-stack", *found["rdma-symbol"])
     if found["module-in-use"]:
         add("openibd-module-in-use", *found["module-in-use"])
     # openibd failed: said by its own [FAILED] lines, by the container, or by a restart
