@@ -10,7 +10,9 @@ Then the same for a hostile log of each size (issue 37: lines anyone can write w
 ``logger``, each with an evidence word so no chunk is skipped): runs of ``/sys/``
 (the reported shape, 0.5 MB/s before the patterns were made linear), the same
 ended by `` /net not found`` (the signature's own ending, so it is searched),
-callback names repeated, and ``VF restore`` before a run of dashes. Its rate is
+callback names repeated, ``VF restore`` before a run of dashes, and (issue 41)
+openibd's ``Unloading `` repeated before ``[FAILED]``, ``mlx5_ib: `` repeated before
+``Unknown symbol``, a failed insert's path of 2000 directories. Its rate is
 printed next to the normal one: they must be of the same order.
 
     .venv/bin/python bench/explain.py [--size 1G]
@@ -47,6 +49,10 @@ HOSTILE = [
     b"/sys/" * 800 + b" /net not found peermem\n",
     b"nv_get_p2p_free_callback" * 165 + b" peermem\n",
     b"VF restore" + b"-" * 4000 + b" peermem\n",
+    # issue 41's forms: openibd's labels before a [FAILED], words before a symbol line
+    b"Unloading " * 400 + b" [FAILED] peermem\n",
+    b"mlx5_ib: " * 450 + b"Unknown symbol peermem\n",
+    b"could not insert '" + b"a/" * 2000 + b"nvidia_peermem\n",
 ]
 
 

@@ -81,9 +81,10 @@ _PREFIXES = (
 # Times a tool writes inside its line (kept, not taken off): MOFED's and the DOCA driver
 # container's "[26-Sep-24_05:02:12]", logrus' time="2025-11-21T11:51:41Z", klog's
 # "I1121 11:51:41.123456".
+_LOGRUS_TIME = re.compile(r"\btime=\"?\d{4}-(?P<mon>\d\d)-(?P<day>\d\d)T(?P<hms>\d\d:\d\d:\d\d)")
 _INLINE_TIMES = (
     re.compile(r"^\[(?P<day>\d\d)-(?P<mname>[A-Z][a-z]{2})-\d\d_(?P<hms>\d\d:\d\d:\d\d)\]"),
-    re.compile(r"\btime=\"?\d{4}-(?P<mon>\d\d)-(?P<day>\d\d)T(?P<hms>\d\d:\d\d:\d\d)"),
+    _LOGRUS_TIME,
     re.compile(r"^[IWEF](?P<mon>\d\d)(?P<day>\d\d) (?P<hms>\d\d:\d\d:\d\d)\.\d+ "),
 )
 
@@ -120,6 +121,10 @@ def split(line: str) -> tuple[str, Stamp | None]:
     line = line.strip()
     if stamp is None:
         for inline in _INLINE_TIMES:
+            # the logrus form is searched only where its word is (a search from every
+            # position of a long line costs more than the rest of the line's reading)
+            if inline is _LOGRUS_TIME and "time=" not in line:
+                continue
             m = inline.search(line)
             if m:
                 stamp = _stamp(m)
@@ -231,14 +236,17 @@ SIGNATURES: tuple[Signature, ...] = (
         "peermem-busy-provider",
         # resolve_symbol_wait: the provider (ib_core) was still in its init after 30 s;
         # then "Unknown symbol <sym> (err -16)" and modprobe's strerror(EBUSY)
+        re.compile(_PEERMEM + r": gave up waiting for init of module (?P<provider>\w+)"),
+        KERNEL,
+        ("gave up waiting for init of module",),
+    ),
+    Signature(
+        "peermem-busy-provider",
         re.compile(
-            _PEERMEM + r": gave up waiting for init of module (?P<provider>\w+)"
-            r"|"
-            + _INSERT
-            + r"(?:nvidia[_-]peermem|nv_peer_mem)(?:\.ko)?'?: Device or resource busy"
+            _INSERT + r"(?:nvidia[_-]peermem|nv_peer_mem)(?:\.ko)?'?: Device or resource busy"
         ),
-        f"{KERNEL}; {KMOD}",
-        ("gave up waiting for init of module", "could not insert"),
+        KMOD,
+        ("could not insert",),
     ),
     Signature(
         "peermem-not-built",
@@ -267,15 +275,27 @@ SIGNATURES: tuple[Signature, ...] = (
     Signature(
         "peermem-load-failed",
         # a failure that does not say why: modprobe's ENOENT text (the kernel's lines name
-        # the symbol), the peermem sidecar, nv_peer_mem's script and its unit
+        # the symbol), the peermem sidecar, nv_peer_mem's script and its unit; each form
+        # starts with its fixed text, which the search skips to
         re.compile(
             _INSERT + r"(?:nvidia[_-]peermem|nv_peer_mem)(?:\.ko)?'?: Unknown symbol in module"
-            r"|[Ff]ailed to (?:load|start) (?:the )?(?:nvidia-peermem|nv_peer_mem)"
-            r"|nv_peer_mem\.service: Failed with result"
-            r"|Failed to start [^\n]{0,80}nv_peer_mem"
         ),
-        f"{KMOD}; {GPU_DRIVER}; {NV_PEER_MEM}",
-        ("peermem", "peer_mem"),
+        KMOD,
+        ("could not insert",),
+    ),
+    Signature(
+        "peermem-load-failed",
+        re.compile(r"ailed to (?:load|start) (?:nvidia-peermem|nv_peer_mem)"),
+        f"{GPU_DRIVER}; {NV_PEER_MEM}",
+        ("failed to load nvidia-peermem", "failed to load nv_peer_mem", "to start nv_peer_mem"),
+    ),
+    Signature(
+        "peermem-load-failed",
+        re.compile(
+            r"nv_peer_mem\.service: Failed with result|Failed to start [^\n]{0,80}nv_peer_mem"
+        ),
+        NV_PEER_MEM,
+        ("nv_peer_mem.service: failed", "nv_peer_mem to start"),
     ),
     Signature(
         "module-signature-rejected",
@@ -286,7 +306,7 @@ SIGNATURES: tuple[Signature, ...] = (
             r"|unsigned module loading is restricted|Loading of unsigned module is rejected"
         ),
         KERNEL,
-        ("key was rejected", "required key not", "unsigned module"),
+        ("could not insert", "can't insert", "unsigned module"),
     ),
     # ---- MOFED's restart, and openibd's own words
     Signature(
@@ -482,38 +502,32 @@ _BY_NAME = {s.name: s for s in SIGNATURES}
 # are in most chunks.
 PREFILTER_WORDS = (
     b"peermem",
-    b"peermem.c:",
-    b"can't insert",
-    b"can't load module",
-    b"could not insert",
+    b"peer_mem",
+    b"t insert",  # could not insert, can't insert
+    b"t load module",
+    b"symbol",  # unknown symbol, disagrees about version of symbol, needs unknown symbol
     b"version magic",
-    b"required module is not loaded",
-    b"access layer",
-    b"failed]",
-    b"failed ]",
-    b"cannot unload the infiniband",
-    b"occured while restarting driver",
-    b"key was rejected",
-    b"required key not",
+    b"gave up waiting",
+    b"required module is",
     b"unsigned module",
-    b"exit_code=",
-    b"driver ready indicator",
-    b"waiting for mellanox ofed",
+    b"storage modules",
     b"please close all",
     b"please make sure module",
     b"over iser sessions",
     b"over srp devices",
-    b"peer_mem",
-    b"storage modules",
-    b"unknown symbol",
-    b"disagrees about version",
-    b"gave up waiting",
     b"is in use",
+    b"openibd",
+    b"access layer",
+    b"failed]",
+    b"failed ]",
+    b"cannot unload the infiniband",
+    b"occured while restarting",
+    b"exit_code=",
+    b"driver ready",  # state, indicator
+    b"waiting for mofed",
+    b"waiting for mellanox",
     b"cannot find device",
     b"restore",
-    b"openibd",
-    b"driver ready state",
-    b"waiting for mofed",
     b"/net not found",
     b"/net/ not found",
 )
