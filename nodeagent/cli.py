@@ -93,9 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--format", choices=["text", "html"], default="text")
 
     explain = sub.add_parser(
-        "explain", help="name the race in logs you have (kubectl logs, dmesg, journalctl)"
+        "explain",
+        help="name the race in logs you have (kubectl logs, dmesg, journalctl) or in a "
+        "support bundle (must-gather, netop-sosreport, sos report)",
     )
-    explain.add_argument("files", nargs="*", metavar="FILE", help="log files (default: stdin)")
+    explain.add_argument(
+        "files",
+        nargs="*",
+        metavar="FILE",
+        help="log files (a .gz too), directories or .tar[.gz|.xz] bundles (default: stdin)",
+    )
     explain.add_argument("--json", action="store_true", help="one JSON object: incidents")
 
     sim = sub.add_parser(

@@ -283,3 +283,24 @@ def test_a_netop_pod_log_s_pod_is_the_longest_name_with_its_yaml() -> None:
     nm.learn("pods/mofed-a.yaml", "spec:\n  nodeName: wrong\n")
     assert nm.node_of("pods/mofed-a-ds-x-mofed-container-previous.log") == "n1"
     assert nm.node_of("pods/other-pod-c.log") == ""
+
+
+def test_the_corpus_runner_scores_excerpts_by_their_expect_line(tmp_path: Path) -> None:
+    """scripts/explain_corpus.py: the way a held-out corpus of real excerpts is run."""
+    corpus = write(
+        tmp_path,
+        {
+            "a.log": "# source: here\n# expect: peermem-not-built\n"
+            "modinfo: ERROR: Module nvidia-peermem not found.\n",
+            "b.log": "# source: there\n# expect: none\nNVRM: Xid (PCI:0000:3b:00): 79\n",
+            "c.log": "# source: x\n# expect: old-name\n# note: n\n"
+            "rmmod: ERROR: Module ib_core is in use by: nvidia_peermem\n",
+            "d.log": "# source: y\n# expect: storage-blocks-mofed\nnothing\n",
+        },
+    )
+    script = Path(__file__).resolve().parents[1] / "scripts" / "explain_corpus.py"
+    run = [sys.executable, str(script), str(corpus), "--alias", "old-name=openibd-module-in-use"]
+    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr  # d.log is missed
+    assert "XX d.log: expect storage-blocks-mofed, got nothing" in p.stdout
+    assert p.stdout.strip().endswith("3 of 4 named right (1 wrong; unclear ones not scored)")
