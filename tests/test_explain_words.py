@@ -480,3 +480,12 @@ UNRELATED = [
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_unrelated_families_stay_silent_in_every_shape(shape: str) -> None:
     assert kinds(*map(SHAPES[shape], UNRELATED)) == []
+
+
+def test_kubectl_s_time_wins_over_a_dmesg_line_s_own() -> None:
+    """A container that prints dmesg, read with --timestamps: the wall clock is kept."""
+    doc = explain(
+        ("driver.log", [f"2026-11-21T12:00:00Z {EINVAL}"]),
+        ("peermem-ctr.log", ["x"] * 40 + [f"2026-11-21T12:00:01Z [  812.345678] {CRC}"]),
+    )
+    assert only(doc)["kind"] == "peermem-abi-mismatch"

@@ -116,7 +116,8 @@ def split(line: str) -> tuple[str, Stamp | None]:
     for prefix in _PREFIXES:
         m = prefix.match(line)
         if m:
-            stamp = _stamp(m) or stamp
+            # the outer time wins: kubectl's when it holds a container's dmesg line
+            stamp = stamp or _stamp(m)
             line = line[m.end() :]
     line = line.strip()
     if stamp is None:

@@ -66,18 +66,24 @@ def gunzipped(fh: IO[bytes], name: str) -> IO[bytes]:
 def walk(path: str, feed: Feed, problems: list[str]) -> dict[str, object]:
     """Feed every log of the bundle at ``path`` (a directory or a tar); what it was."""
     is_dir = os.path.isdir(path)  # the top as named (a link to it followed); nothing inside
-    names = list(_dir_files(path, problems)) if is_dir else [n for n, _ in _tar_members(path)]
+    listed = list(_dir_files(path, problems)) if is_dir else []
 
-    def opener() -> Iterator[tuple[str, IO[bytes]]]:
-        return _dir_open(path, names) if is_dir else _tar_members(path)
+    def members() -> Iterator[tuple[str, IO[bytes]]]:
+        return _dir_open(path, listed) if is_dir else _tar_members(path)
 
+    # first pass: every name, and the node map from the small files (a tar is read
+    # twice in all, as a stream each time)
+    names: list[str] = list(listed)
     nodes = NodeMap()
-    for name, fh in opener():
+    small = _dir_open(path, [n for n in listed if is_map_file(n)]) if is_dir else members()
+    for name, fh in small:
+        if not is_dir:
+            names.append(name)
         if is_map_file(name):
             nodes.learn(name, fh.read(MAP_FILE_MAX).decode("utf-8", errors="replace"))
     logs = 0
     seen_nodes: set[str] = set()
-    for name, fh in opener():
+    for name, fh in members():
         if not is_log(name):
             continue
         node = nodes.node_of(name)
