@@ -634,12 +634,13 @@ INCIDENTS: tuple[Incident, ...] = (
         "storage-module-other-stack",
         "a storage module built for one RDMA stack (inbox or MOFED) met the other's "
         "symbols: it cannot load (or MOFED's install meets it loaded)",
-        "load storage modules from the stack that is loaded: after MOFED installs, its own "
-        "builds (MOFED's nvme-rdma/rpcrdma packages, or the driver container's storage "
-        "modules); unload the chain before MOFED installs and load it back after its ready "
-        "flag (nodeagent's storage guard does both)",
-        MODES,
+        "load the storage modules built for the stack that is loaded: once MOFED is up, "
+        "MOFED's own builds (its nvme-rdma/rpcrdma packages, or the driver container's "
+        "storage modules), not the kernel's inbox ones; nodeagent's storage guard loads "
+        "the chain back with the node's modprobe, so it meets this too if the node's tree "
+        "holds only the inbox builds",
         (),
+        MODES,
     ),
     Incident(
         "rdma-module-other-stack",
