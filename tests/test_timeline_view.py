@@ -186,6 +186,59 @@ def test_simulate_writes_one_html_timeline_per_scenario(tmp_path: Path) -> None:
     assert "http" not in page
 
 
+def test_html_draws_a_held_load_as_a_bar_in_the_gpu_driver_lane(tmp_path: Path) -> None:
+    """The hold's run (seeds 000-002, the seeds' operator settings plus the hold): the
+    driver container's modprobe, held mid-``openibd restart``, is a bar in the GPU driver
+    lane from its hold to its release, naming the loader, the file and why it ended."""
+    from nodeagent.sim.cli import simulate_main
+
+    out = tmp_path / "pictures"
+    argv = ["kernel-upgrade-race", "--speed", "0", "--json", "--timeline-html", str(out)]
+    assert simulate_main([*argv, "--deployment-mode", "operator-peermem-dm09-hold"]) == 0
+    page = (out / "kernel-upgrade-race.html").read_text()
+    run = run_scenario(
+        SCENARIOS["kernel-upgrade-race"], agent=True, mode="operator-peermem-dm09-hold"
+    )
+    (held,) = [r for r in run.agent_records if r.get("kind") == "held-open"]
+    start, end = held["ts"] - held["seconds"], held["ts"]
+    assert held["ended"] == "gate opened" and held["seconds"] > 60
+
+    def attrs(tag: str) -> dict[str, str]:
+        return dict(re.findall(r'([\w-]+)="([^"]*)"', tag))
+
+    (bar_tag,) = re.findall(r'<rect class="held"[^>]*>', page)
+    bar = attrs(bar_tag)
+    title = re.search(r'<rect class="held"[^>]*><title>([^<]*)</title>', page)
+    assert title is not None
+    tip = title.group(1)
+    assert held["path"] in tip and held["path"].endswith("nvidia-peermem.ko")
+    assert f"{held['opener']} (pid {held['pid']})" in tip and "ended: gate opened" in tip
+    # In the GPU driver lane: its data names it, and it lies inside that lane's box.
+    assert bar["data-lane"] == "GPU driver"
+    lanes = {
+        attrs(t)["data-lane"]: attrs(t) for t in re.findall(r'<rect class="lanebox"[^>]*>', page)
+    }
+    box = lanes["GPU driver"]
+    y, top = float(bar["y"]), float(box["y"])
+    assert top <= y and y + float(bar["height"]) <= top + float(box["height"])
+    assert not any(
+        float(b["y"]) <= y < float(b["y"]) + float(b["height"])
+        for name, b in lanes.items()
+        if name != "GPU driver"
+    )
+    # From the moment it was held to the moment it was let go, by the records.
+    assert float(bar["data-start"]) == pytest.approx(start, abs=1e-3)
+    assert float(bar["data-end"]) == pytest.approx(end, abs=1e-3)
+    pic = build_picture(run.agent_records, since=0.0, until=run.scenario.duration)
+    span = (1400 - 150 - 20) / (pic.end - pic.start)
+    assert float(bar["x"]) == pytest.approx(150 + (start - pic.start) * span, abs=0.1)
+    assert float(bar["width"]) == pytest.approx((end - start) * span, abs=0.2)
+    # The events table has its start, the text view its bar.
+    assert "held: modprobe (pid" in page and "until 11:58:41: gate opened" in page
+    text = render_text(pic, lambda t: f"{t:.0f}s")
+    assert "held loads (1;" in text and "nvidia-peermem.ko: gate opened" in text
+
+
 # -- in a real browser -------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable
 
-from nodeagent.timeline_view.picture import Lane, Marker, Picture, Segment
+from nodeagent.timeline_view.picture import HeldBar, Lane, Marker, Picture, Segment
 
 __all__ = ["render_html"]
 
@@ -21,6 +21,7 @@ WIDTH = 1400
 LEFT = 150  # lane names
 RIGHT = 20
 ROW = 34
+HELD_ROW = 14  # under a lane's states: the loads the hold held
 VF_ROW = 12
 TONES = {"ok": "#2e7d32", "warn": "#f9a825", "bad": "#c62828", "idle": "#9e9e9e"}
 STYLE = """
@@ -30,6 +31,7 @@ p.meta { margin: 0 0 12px; color: #555; }
 svg text { font: 11px sans-serif; }
 svg .lane { font-weight: bold; font-size: 12px; }
 svg .seg { fill: #fff; }
+svg .heldtext { fill: #0d47a1; font-size: 10px; }
 svg .axis { fill: #555; }
 table { border-collapse: collapse; margin-top: 16px; width: 100%; }
 td, th { border-bottom: 1px solid #ddd; padding: 2px 6px; text-align: left; vertical-align: top; }
@@ -92,19 +94,47 @@ class _Svg:
             f"<title>{_e(fmt(m.t))} {_e(m.label)}</title></path>"
         )
 
+    def held(self, bar: HeldBar, lane: str, y: float, fmt: TimeFormat) -> None:
+        """A held load: a bar from its hold to its release, naming whose open, of what
+        file, and how the hold ended (``data-*``: the times, in the records' seconds)."""
+        x0, x1 = self.x(bar.start), self.x(bar.end)
+        w = max(x1 - x0, 1.5)
+        h = HELD_ROW - 3
+        tip = (
+            f"{fmt(bar.start)}–{fmt(bar.end)} held: {bar.opener} (pid {bar.pid}) opening "
+            f"{bar.path}; ended: {bar.ended}"
+        )
+        color = "#1565c0" if bar.tone == "idle" else TONES["bad"]
+        self.add(
+            f'<rect class="held" data-lane="{_e(lane)}" data-start="{bar.start:.3f}" '
+            f'data-end="{bar.end:.3f}" x="{x0:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h}" '
+            f'fill="{color}" rx="2"><title>{_e(tip)}</title></rect>'
+        )
+        # The label beside the bar (the strip is otherwise empty), on its left near the end.
+        label = bar.label()
+        if x1 + 4 + len(label) * 5.6 <= WIDTH:
+            at = f'x="{x1 + 4:.1f}"'
+        else:
+            at = f'x="{max(x0 - 4, LEFT):.1f}" text-anchor="end"'
+        self.add(f'<text class="heldtext" {at} y="{y + h - 2:.1f}">{_e(label)}</text>')
+
     def lane(self, lane: Lane, fmt: TimeFormat, label: str | None = None) -> None:
         y = self.y
+        extra = HELD_ROW if lane.held else 0
         name = _e(label or lane.name)
         self.add(f'<text class="lane" x="4" y="{y + ROW / 2 + 4:.1f}">{name}</text>')
         self.add(
-            f'<rect x="{LEFT}" y="{y:.1f}" width="{WIDTH - LEFT - RIGHT}" height="{ROW - 6}" '
+            f'<rect class="lanebox" data-lane="{_e(lane.name)}" x="{LEFT}" y="{y:.1f}" '
+            f'width="{WIDTH - LEFT - RIGHT}" height="{ROW - 6 + extra}" '
             'fill="#fafafa" stroke="#e0e0e0"/>'
         )
         for seg in lane.segments:
             self.segment(seg, y + 2, ROW - 10, fmt)
+        for bar in lane.held:
+            self.held(bar, lane.name, y + ROW - 7, fmt)
         for m in lane.markers:
             self.marker(m, y + ROW - 14, fmt)
-        self.y += ROW
+        self.y += ROW + extra
 
 
 def _svg(pic: Picture, fmt: TimeFormat) -> str:
@@ -141,6 +171,10 @@ def _events(pic: Picture, fmt: TimeFormat) -> str:
     for lane in pic.lanes:
         rows += [(s.start, lane.name, s.label, s.tone) for s in lane.segments]
         rows += [(m.t, lane.name, m.label, m.tone) for m in lane.markers]
+        rows += [
+            (b.start, lane.name, f"{_held_row(b)} until {fmt(b.end)}: {b.ended}", b.tone)
+            for b in lane.held
+        ]
     for gate in pic.gates:
         rows += [(s.start, gate.name, s.label, s.tone) for s in gate.segments]
     rows.sort(key=lambda r: r[0])
@@ -150,6 +184,10 @@ def _events(pic: Picture, fmt: TimeFormat) -> str:
         for t, lane, text, tone in rows
     )
     return f"<table><tr><th>time</th><th>lane</th><th>what</th></tr>{body}</table>"
+
+
+def _held_row(bar: HeldBar) -> str:
+    return f"held: {bar.opener} (pid {bar.pid}) opening {bar.path}"
 
 
 def render_html(pic: Picture, fmt: TimeFormat, title: str = "nodeagent timeline") -> str:

@@ -6,7 +6,10 @@ MOFED, GPU driver, agent and kernel. MOFED, GPU driver and kernel are the node
 as the agent saw it at each recorded decision (the peermem guard's evidence);
 the agent lane is what the agent did (its actions, its guards' events); each
 guard's verdict over time is a gate lane; a ``restore VF`` action makes a bar
-per VF, from its first attempt to its first success.
+per VF, from its first attempt to its first success. A load the peermem hold
+held (a ``held-open`` record, written when the hold ended, with how long it
+lasted) makes a bar in the GPU driver lane, from the moment the loader's open
+was held to the moment it was let go.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 __all__ = [
     "DRAWABLE",
     "LANES",
+    "HeldBar",
     "Lane",
     "Marker",
     "Picture",
@@ -50,11 +54,35 @@ class Marker:
     tone: Tone
 
 
+@dataclass(frozen=True)
+class HeldBar:
+    """One open the hold held: from ``start`` (held) to ``end`` (let go, the record's
+    time), whose (``pid``, ``opener``: its comm), of which file, and how it ended."""
+
+    start: float
+    end: float
+    pid: object
+    opener: str
+    path: str
+    ended: str
+
+    @property
+    def tone(self) -> Tone:
+        return "idle" if self.ended == "gate opened" else "bad"
+
+    def label(self) -> str:
+        return (
+            f"{self.opener} (pid {self.pid}) held opening {self.path.rsplit('/', 1)[-1]}: "
+            f"{self.ended}"
+        )
+
+
 @dataclass
 class Lane:
     name: str
     segments: list[Segment] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
+    held: list[HeldBar] = field(default_factory=list)  # the GPU driver lane's held loads
 
 
 @dataclass
@@ -198,6 +226,7 @@ def build_picture(
     agent = _States()
     markers: dict[str, list[Marker]] = {name: [] for name in LANES}
     vfs: dict[tuple[str, int], VfBar] = {}
+    held: list[HeldBar] = []
     kernel: str | None = None
     modes: list[str] = []
 
@@ -238,6 +267,18 @@ def build_picture(
                     "idle" if ended == "gate opened" else "bad",
                 )
             )
+            seconds = rec.get("seconds")
+            if isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds >= 0:
+                held.append(
+                    HeldBar(
+                        max(DRAWABLE[0], t - float(seconds)),
+                        t,
+                        rec.get("pid"),
+                        str(rec.get("opener")),
+                        str(rec.get("path")),
+                        ended,
+                    )
+                )
         elif kind in ("hold-root-marked", "hold-root-gone"):
             change = "marked" if kind == "hold-root-marked" else "gone"
             markers["agent"].append(
@@ -262,7 +303,12 @@ def build_picture(
     for name in LANES:
         segs = (agent if name == "agent" else states[name]).segments(end)
         marks = [m for m in markers[name] if m.t >= start]
-        lanes.append(Lane(name, _clip(segs, start, end), marks))
+        holds = [
+            HeldBar(max(b.start, start), b.end, b.pid, b.opener, b.path, b.ended)
+            for b in held
+            if name == "GPU driver" and b.end >= start
+        ]
+        lanes.append(Lane(name, _clip(segs, start, end), marks, holds))
     gate_lanes = [Lane(g, _clip(s.segments(end), start, end)) for g, s in sorted(gates.items())]
     bars = [b for b in vfs.values() if b.end >= start or not b.ok]
     bars.sort(key=lambda b: (b.pf, b.index))

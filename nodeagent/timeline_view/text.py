@@ -91,6 +91,14 @@ def render_text(pic: Picture, fmt: TimeFormat, title: str = "nodeagent timeline"
             cells.append("; ".join([state, *marks] if state else marks))
         out += _row([key, *cells], widths)
 
+    held = pic.lane("GPU driver").held
+    if held:
+        out += ["", f"held loads ({len(held)}; bar = held → let go, in the GPU driver lane):"]
+        for h in held:
+            out.append(
+                f"  │{_bar(pic, h.start, h.end)}│ {fmt(h.start)}–{fmt(h.end)} "
+                + printable(f"{h.opener} (pid {h.pid}) opening {h.path}: {h.ended}")
+            )
     if pic.vfs:
         out += ["", f"VF restores ({len(pic.vfs)}; bar = first attempt → first success):"]
         for b in pic.vfs:
