@@ -1,0 +1,61 @@
+{{/* The labels every object gets: the base's (kustomize's `labels`) and Helm's. */}}
+{{- define "nodeagent.labels" -}}
+app.kubernetes.io/name: nodeagent
+app.kubernetes.io/part-of: nodeagent
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{/* The documents of a base file (files/ links to deploy/), as {"items": [...]}, each
+with the release's namespace (cluster-scoped kinds excepted; a binding's subjects
+too) and the labels. */}}
+{{- define "nodeagent.objects" -}}
+{{- $text := .root.Files.Get (printf "files/%s" .file) -}}
+{{- if not $text -}}
+{{- fail (printf "chart: files/%s is missing or empty (the link to deploy/ broke?)" .file) -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $doc := splitList "\n---" $text -}}
+{{- $obj := $doc | fromYaml -}}
+{{- if $obj.kind -}}
+{{- $meta := $obj.metadata -}}
+{{- $_ := set $meta "labels" (merge (include "nodeagent.labels" $.root | fromYaml) ($meta.labels | default dict)) -}}
+{{- if not (has $obj.kind (list "ClusterRole" "ClusterRoleBinding" "SecurityContextConstraints")) -}}
+{{- $_ := set $meta "namespace" $.root.Release.Namespace -}}
+{{- end -}}
+{{- range $s := ($obj.subjects | default list) -}}
+{{- $_ := set $s "namespace" $.root.Release.Namespace -}}
+{{- end -}}
+{{- $out = append $out $obj -}}
+{{- end -}}
+{{- end -}}
+{{- dict "items" $out | toJson -}}
+{{- end -}}
+
+{{/* The one document of a base file, as a dict. */}}
+{{- define "nodeagent.object" -}}
+{{- $items := (include "nodeagent.objects" . | fromJson).items -}}
+{{- if ne (len $items) 1 -}}{{- fail (printf "chart: files/%s holds %d objects, not 1" .file (len $items)) -}}{{- end -}}
+{{- first $items | toJson -}}
+{{- end -}}
+
+{{/* agent.toml's keys, from the values; agent.extraConfig merged over them. */}}
+{{- define "nodeagent.config" -}}
+{{- $a := .Values.agent -}}
+{{- $resync := $a.resyncSeconds -}}
+{{- if eq (float64 (int64 $resync)) (float64 $resync) -}}{{- $resync = int64 $resync -}}{{- end -}}
+{{- $cfg := dict "mode" $a.mode "resync_seconds" $resync -}}
+{{- if ne (int .Values.metrics.port) 9808 -}}
+{{- $_ := set $cfg "metrics_address" (printf "127.0.0.1:%d" (int .Values.metrics.port)) -}}
+{{- end -}}
+{{- $peermem := dict "mofed" $a.peermem.mofed -}}
+{{- if .Values.hold.enabled -}}{{- $_ := set $peermem "hold_loads" "fanotify" -}}{{- end -}}
+{{- $_ := set $cfg "peermem" $peermem -}}
+{{- $_ := set $cfg "sriov" (dict "numvfs_owner" $a.sriov.numvfsOwner) -}}
+{{- $_ := set $cfg "labels" (dict "nfd" .Values.labels.nfd) -}}
+{{- $_ := set $cfg "npd" (dict "enabled" .Values.npd.enabled) -}}
+{{- $cfg = mustMergeOverwrite $cfg (deepCopy ($a.extraConfig | default dict)) -}}
+{{- toToml $cfg -}}
+{{- end -}}

@@ -1,0 +1,275 @@
+"""deploy/helm/nodeagent: rendered and linted with real Helm (the helm-python-sdk package
+embeds the Helm v4 library: no binary), every object validated against the Kubernetes
+schemas of the oldest and newest version the chart supports, the values schema's
+refusals, and no drift from the kustomize base it is made from (object by object).
+
+helm-python-sdk is young (0.2.x, one maintainer): it is used here only; the chart is a
+plain chart the helm CLI installs."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tomllib
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from nodeagent.config import config_from_mapping
+from tests.test_deploy import BASE, CRD_KINDS, HOLD, HOLD_OPENSHIFT, OPENSHIFT, rendered
+
+CHART = Path(__file__).resolve().parent.parent / "deploy" / "helm" / "nodeagent"
+# The oldest and newest Kubernetes the chart supports (Chart.yaml's kubeVersion), both
+# known to kubernetes-validate.
+KUBE_VERSIONS = ("1.25", "1.37")
+# What Helm adds to every object's labels, and kustomize's config hash: left out of the
+# comparison with the kustomize render.
+HELM_LABELS = {
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+    "helm.sh/chart",
+}
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed")
+logging.getLogger("helm_python").setLevel(logging.WARNING)
+
+
+@cache
+def chart() -> Any:
+    return helm.Chart.load(str(CHART))
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    out = chart().render(values or {}, name="nodeagent", namespace="nodeagent", is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def notes(values: dict[str, Any] | None = None) -> str:
+    out = chart().render(values or {}, name="nodeagent", namespace="nodeagent", is_install=True)
+    text: str = out["nodeagent/templates/NOTES.txt"]
+    return text
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, f"one {kind} {name or ''}: {len(found)}"
+    return found[0]
+
+
+HOLD_ON = {"hold": {"enabled": True}, "agent": {"mode": "enforce"}}
+TOGGLES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "hold": HOLD_ON,
+    "openshift": {"platform": {"openshift": True}},
+    "openshift+hold": {"platform": {"openshift": True}, **HOLD_ON},
+    "no metrics": {"metrics": {"enabled": False}},
+    "no monitoring objects": {
+        "serviceMonitor": {"enabled": False},
+        "prometheusRule": {"enabled": False},
+        "dashboard": {"enabled": False},
+    },
+    "npd plugin, no labels": {"npd": {"pluginConfigMap": True}, "labels": {"nfd": False}},
+    "numvfs by the agent, another port": {
+        "agent": {"sriov": {"numvfsOwner": "agent"}},
+        "metrics": {"port": 9818},
+    },
+    "daemonset settings": {
+        "daemonsets": {
+            "priorityClassName": "gpu-critical",
+            "nodeSelector": {"nvidia.com/gpu.deploy.nodeagent": "true"},
+            "updateStrategy": "OnDelete",
+            "labels": {"team": "gpu"},
+            "annotations": {"a": "b"},
+        },
+        "image": {"repository": "registry.example/nodeagent", "tag": "0.1.1"},
+        "imagePullSecrets": [{"name": "pull"}],
+    },
+    "extraObjects": {
+        "extraObjects": [
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {}}
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+def test_the_chart_lints_clean(kube: str) -> None:
+    for values in TOGGLES.values():
+        report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{kube}.0")
+        assert report["errors"] == [] and report["messages"] == [], (values, report)
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("toggle", TOGGLES)
+def test_every_rendered_object_validates_against_kubernetes(kube: str, toggle: str) -> None:
+    import kubernetes_validate
+
+    docs = render(TOGGLES[toggle])
+    assert {"ServiceAccount", "ConfigMap", "DaemonSet"} <= {d["kind"] for d in docs}
+    for doc in docs:
+        if doc["kind"] in CRD_KINDS:
+            continue  # kubernetes-validate knows no CRDs (tests/test_deploy.py shape-checks)
+        kubernetes_validate.validate(doc, kube, strict=True)
+
+
+def agent_toml(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return tomllib.loads(one(docs, "ConfigMap", "nodeagent-config")["data"]["agent.toml"])
+
+
+@pytest.mark.parametrize("toggle", TOGGLES)
+def test_the_config_file_is_one_the_agent_accepts(toggle: str) -> None:
+    config_from_mapping(agent_toml(render(TOGGLES[toggle])))
+
+
+def test_the_default_render_follows_the_operators_conventions() -> None:
+    docs = render()
+    ds = one(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1},
+    }
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    keys = {e["key"] for t in terms["nodeSelectorTerms"] for e in t["matchExpressions"]}
+    assert "feature.node.kubernetes.io/pci-10de.present" in keys, "NFD's PCI label: GPU nodes"
+    assert "feature.node.kubernetes.io/pci-15b3.present" in keys, "and Mellanox NICs"
+    # least privilege as the base: no hostPID, two capabilities, observe
+    assert pod["hostPID"] is False
+    assert pod["containers"][0]["securityContext"]["capabilities"]["add"] == [
+        "SYS_MODULE",
+        "NET_ADMIN",
+    ]
+    assert agent_toml(docs)["mode"] == "observe"
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm" for d in docs)
+    text = notes()
+    assert "observe mode" in text and "nodeagent status" in text and "agent.mode=enforce" in text
+
+
+def test_the_toggles_do_what_they_say() -> None:
+    hold = render(HOLD_ON)
+    pod = one(hold, "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    assert pod["containers"][0]["securityContext"]["capabilities"]["add"][-2:] == [
+        "SYS_ADMIN",
+        "SYS_PTRACE",
+    ]
+    assert agent_toml(hold)["peermem"]["hold_loads"] == "fanotify"
+    assert "The peermem hold is on" in notes(HOLD_ON)
+    scc = one(render(TOGGLES["openshift+hold"]), "SecurityContextConstraints")
+    assert scc["allowHostPID"] is True and "SYS_PTRACE" in scc["allowedCapabilities"]
+    bare = render(TOGGLES["no metrics"])
+    kinds = {d["kind"] for d in bare}
+    assert not kinds & {"Service", "ServiceMonitor", "ClusterRole"}
+    containers = one(bare, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["nodeagent"]
+    port = render(TOGGLES["numvfs by the agent, another port"])
+    agent = one(port, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert agent["livenessProbe"]["httpGet"]["port"] == 9818
+    assert agent_toml(port)["metrics_address"] == "127.0.0.1:9818"
+    (sys_mount,) = [m for m in agent["volumeMounts"] if m["name"] == "sys"]
+    assert sys_mount["readOnly"] is False, "numvfs_owner agent writes sriov_numvfs"
+    custom = one(render(TOGGLES["daemonset settings"]), "DaemonSet")
+    assert custom["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert custom["spec"]["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.deploy.nodeagent": "true"
+    }
+    assert custom["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "registry.example/nodeagent:0.1.1"
+    )
+    assert one(render(TOGGLES["extraObjects"]), "ConfigMap", "x")["data"] == {}
+    extra = {"agent": {"extraConfig": {"storage": {"policy": "unload"}}}}
+    assert agent_toml(render(extra))["storage"] == {"policy": "unload"}
+
+
+BAD_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"agent": {"mode": "enforcing"}}, "/agent/mode"),
+    ({"hold": {"enabled": True}}, "/agent/mode"),  # the hold needs enforce
+    ({"agent": {"resyncSeconds": 0}}, "/agent/resyncSeconds"),
+    ({"agent": {"sriov": {"numvfsOwner": "nobody"}}}, "/agent/sriov/numvfsOwner"),
+    ({"metrics": {"port": 80}}, "/metrics/port"),
+    ({"daemonsets": {"updateStrategy": "Recreate"}}, "/daemonsets/updateStrategy"),
+    ({"agentt": {"mode": "enforce"}}, "'agentt' not allowed"),  # a misspelt key
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_VALUES)
+def test_the_schema_refuses_bad_values_naming_the_key(values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart().validate_schema(chart().merge_values(values))
+    assert where in str(err.value)
+    with pytest.raises(helm.HelmError):  # and an install's render refuses them too
+        render(values)
+
+
+# ---------------------------------------------------------------- no drift from kustomize
+
+
+def normalized(doc: dict[str, Any]) -> dict[str, Any]:
+    """What both renders must agree on: the objects' own labels, kustomize's config hash
+    and the chart's checksum annotation taken off (a pod template's labels are kept)."""
+    doc = copy.deepcopy(doc)
+    labels = doc["metadata"].get("labels", {})
+    # the chart labels every object; kustomize's `labels` reach only the base's (not
+    # the OpenShift overlay's SCC and its RBAC)
+    for key in (*HELM_LABELS, "app.kubernetes.io/name", "app.kubernetes.io/part-of"):
+        labels.pop(key, None)
+    if not labels:
+        doc["metadata"].pop("labels", None)
+    if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].startswith("nodeagent-config"):
+        doc["metadata"]["name"] = "nodeagent-config"
+        doc["data"] = {"agent.toml": tomllib.loads(doc["data"]["agent.toml"])}
+    if doc["kind"] == "DaemonSet":
+        tmpl = doc["spec"]["template"]
+        tmpl["metadata"].pop("annotations", None)
+        for vol in tmpl["spec"]["volumes"]:
+            if vol["name"] == "config":
+                vol["configMap"]["name"] = "nodeagent-config"
+    return doc
+
+
+# kustomize directory, the chart's values that match it (the hold overlays install
+# observing; the chart refuses the hold in observe, so it is compared in enforce with mode
+# set back)
+MATCHING = [
+    pytest.param(BASE, {}, id="base"),
+    pytest.param(OPENSHIFT, {"platform": {"openshift": True}}, id="openshift"),
+    pytest.param(HOLD, HOLD_ON, id="peermem-hold"),
+    pytest.param(HOLD_OPENSHIFT, {"platform": {"openshift": True}, **HOLD_ON}, id="hold-openshift"),
+]
+
+
+@pytest.mark.parametrize(("directory", "values"), MATCHING)
+def test_the_chart_and_the_kustomize_render_are_the_same_objects(
+    directory: Path, values: dict[str, Any]
+) -> None:
+    kustomized = {}
+    for d in rendered(directory):
+        if d["kind"] == "Namespace":
+            continue  # Helm's convention: the release's namespace exists (README)
+        n = normalized(d)
+        kustomized[(n["kind"], n["metadata"]["name"])] = n
+    charted = {}
+    for d in render(values):
+        n = normalized(d)
+        charted[(n["kind"], n["metadata"]["name"])] = n
+    assert sorted(charted) == sorted(kustomized)
+    for key, doc in kustomized.items():
+        mine = charted[key]
+        if key == ("ConfigMap", "nodeagent-config") and values.get("hold"):
+            assert mine["data"]["agent.toml"].pop("mode") == "enforce"
+            doc["data"]["agent.toml"].pop("mode")
+        assert mine == doc, key
