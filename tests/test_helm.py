@@ -273,3 +273,16 @@ def test_the_chart_and_the_kustomize_render_are_the_same_objects(
             assert mine["data"]["agent.toml"].pop("mode") == "enforce"
             doc["data"]["agent.toml"].pop("mode")
         assert mine == doc, key
+
+
+def test_the_packaged_chart_holds_the_linked_files_and_renders_the_same(tmp_path: Path) -> None:
+    """`helm package` resolves files/' links: the archive a repository serves is whole."""
+    archive = helm.package(str(CHART), destination=str(tmp_path))
+    packed = helm.Chart.load_archive(Path(archive).read_bytes())
+    for values in (TOGGLES["defaults"], TOGGLES["openshift+hold"]):
+        ours = packed.render(values, name="nodeagent", namespace="nodeagent", is_install=True)
+        assert ours == chart().render(
+            values, name="nodeagent", namespace="nodeagent", is_install=True
+        )
+    names = {f["name"] for f in packed.files}
+    assert {"files/base/daemonset.yaml", "files/openshift/scc.yaml"} <= names
