@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: replay the seed incidents on a simulated
-# node, without and with the agent, side by side. Installs what it needs.
+# node without the agent, with it as shipped and with the peermem hold, and
+# print one summary matrix of the verdicts. `scripts/demo.sh --lanes` adds each
+# run's timeline (side by side); other arguments go to `nodeagent simulate`.
+# Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv

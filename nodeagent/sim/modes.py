@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-__all__ = ["DEFAULT_MODE", "MODES", "DeploymentMode"]
+__all__ = ["DEFAULT_MODE", "MODES", "DeploymentMode", "shipped_and_hold"]
 
 MofedWait = Literal["ready-flag", "mlx5_core"]
 
@@ -137,3 +137,11 @@ for _name in ("operator-peermem", "operator-peermem-dm09"):
     MODES[f"{_name}-hold"] = _with_hold(MODES[_name])
 
 DEFAULT_MODE = "operator-peermem"
+
+
+def shipped_and_hold(name: str) -> tuple[str, str | None]:
+    """The mode ``name`` stands for as shipped (nodeagent from ``deploy/base``, no hold)
+    and the same operator settings with the hold component (None: no hold mode)."""
+    shipped = name.removesuffix("-hold") if MODES[name].hold else name
+    hold = f"{shipped}-hold"
+    return shipped, hold if hold in MODES else None

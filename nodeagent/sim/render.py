@@ -19,7 +19,16 @@ from typing import Any
 from nodeagent.sim.node import COLUMNS, SimEvent
 from nodeagent.sim.scenarios import RunResult, Scenario, Verdict
 
-__all__ = ["JSON_SCHEMA", "JSON_VERSION", "clock_at", "render_compare", "render_run", "to_json"]
+__all__ = [
+    "JSON_SCHEMA",
+    "JSON_VERSION",
+    "SUMMARY_WIDTH",
+    "clock_at",
+    "render_compare",
+    "render_run",
+    "render_summary",
+    "to_json",
+]
 
 JSON_SCHEMA = "nodeagent-simulate"
 JSON_VERSION = 2
@@ -180,6 +189,106 @@ def render_verdicts(scenario: Scenario, results: Sequence[RunResult]) -> list[st
         for label in r.verdict.not_prevented:
             lines.append(f"with nodeagent, {label}")
     return ["", *lines, ""]
+
+
+SUMMARY_WIDTH = 98
+# The summary's columns: (heading line 1, heading line 2, width).
+_SUMMARY_COLS = (
+    ("incident", "(seeds, mode)", 22),
+    ("run", "", 10),
+    ("failed", "loads", 6),
+    ("driver-ctr", "restarts", 10),
+    ("MOFED", "installed", 9),
+    ("VFs", "back", 5),
+    ("healthy at", "(seed clock)", 18),
+)
+_RUN_NAMES = ("without", "as shipped", "with hold")
+
+
+def _run_name(run: dict[str, Any]) -> str:
+    if not run["agent"]:
+        return _RUN_NAMES[0]
+    return _RUN_NAMES[2] if run["deployment_mode"].endswith("-hold") else _RUN_NAMES[1]
+
+
+def summary_cells(clock: str, verdict: dict[str, Any]) -> list[str]:
+    """One run's verdict as the summary's cells: failed loads, driver-container restarts
+    (+ the nvidia-peermem-ctr sidecar's), MOFED installed, VFs back, healthy at."""
+    v = verdict
+    restarts = str(v["driver_restarts"])
+    if v["sidecar_restarts"]:
+        restarts += f" (+{v['sidecar_restarts']})"
+    vfs = f"{v['vfs_config_back']}/{v['vfs_total']}" if v["vfs_total"] else "n/a"
+    healthy = v["healthy_at"]
+    at = f"{clock_at(clock, healthy)} (+{_duration(healthy)})" if healthy is not None else "never"
+    return [
+        str(v["peermem_failed_loads"]),
+        restarts,
+        "yes" if v["mofed_installed"] else "no",
+        vfs,
+        at,
+    ]
+
+
+def render_summary(doc: dict[str, Any], *, scenario: str = "all", lanes: bool = False) -> str:
+    """One matrix of ``--compare``'s runs, from their JSON (``to_json``): a row per
+    scenario and run (without the agent, as shipped, with the hold), a column per verdict;
+    under it what the agent did not prevent and what the hold held, in words."""
+    widths = [w for _h1, _h2, w in _SUMMARY_COLS]
+    rule = sum(widths) + 2 * (len(widths) - 1)
+
+    def row(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    out = [
+        f"nodeagent simulate: the seed incidents on a simulated node (seed {doc['seed']}), "
+        "each run three ways:",
+        *textwrap.wrap(
+            "without = no nodeagent; as shipped = nodeagent as deploy/base installs it, in the "
+            "seed's own operator settings (the mode named under the incident); with hold = "
+            "the same plus deploy/components/peermem-hold (mode <mode>-hold).",
+            SUMMARY_WIDTH,
+        ),
+        "",
+        row([h1 for h1, _h2, _w in _SUMMARY_COLS]),
+        row([h2 for _h1, h2, _w in _SUMMARY_COLS]),
+        "═" * rule,
+    ]
+    notes: list[str] = []
+    for i, sc in enumerate(doc["scenarios"]):
+        shipped = next((r["deployment_mode"] for r in sc["runs"] if r["agent"]), "")
+        seeds = ("seeds " if len(sc["seeds"]) > 1 else "seed ") + ", ".join(sc["seeds"])
+        first = [sc["name"], seeds, shipped]
+        if i:
+            out.append("─" * rule)
+        for j, run in enumerate(sc["runs"]):
+            name = _run_name(run)
+            label = first[j] if j < len(first) else ""
+            out.append(row([label, name, *summary_cells(sc["clock_start"], run["verdict"])]))
+            for text in run["verdict"].get("held_opens") or ():
+                notes.append(f"{sc['name']}, {name}: held: {_short(text)}")
+            for text in run["verdict"]["not_prevented"]:
+                notes.append(f"{sc['name']}, {name}: {text}")
+    out += [
+        "",
+        "(+N): restarts of the nvidia-peermem-ctr sidecar; never: not healthy at the end.",
+    ]
+    for note in notes:
+        out += textwrap.wrap(note, SUMMARY_WIDTH, subsequent_indent="    ", break_on_hyphens=False)
+    where = (
+        "below, then this summary again"
+        if lanes
+        else (f"nodeagent simulate {scenario} --compare --lanes (scripts/demo.sh --lanes)")
+    )
+    out += [
+        "",
+        *textwrap.wrap(
+            f"Each row is one simulated run; --json gives the same runs' verdicts and events. "
+            f"The lanes (each run's timeline, side by side): {where}.",
+            SUMMARY_WIDTH,
+        ),
+    ]
+    return "\n".join(out)
 
 
 def to_json(results: Sequence[RunResult], *, seed: int, speed: float | None) -> dict[str, Any]:

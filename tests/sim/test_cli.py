@@ -40,7 +40,11 @@ def check_schema(doc: dict[str, Any]) -> None:
     }  # fmt: skip
     for name, mode in doc["deployment_modes"].items():
         assert name in MODES
-        assert set(mode) == {"title", "settings", "peermem_loaders", "not_prevented"}
+        assert set(mode) - {"nodeagent_hold"} == {
+            "title", "settings", "peermem_loaders", "not_prevented",
+        }  # fmt: skip
+        assert mode.get("nodeagent_hold", "fanotify") == "fanotify"
+        assert ("nodeagent_hold" in mode) == MODES[name].hold
     assert isinstance(doc["seed"], int) and isinstance(doc["wall_seconds"], float)
     for sc in doc["scenarios"]:
         assert set(sc) == {
@@ -53,7 +57,11 @@ def check_schema(doc: dict[str, Any]) -> None:
             assert run["deployment_mode"] in doc["deployment_modes"]
             assert all(isinstance(n, int) for n in run["verdict"]["peermem_failed_by"].values())
             assert run["agent"] or not run["verdict"]["not_prevented"]
-            assert set(run["verdict"]) == set(VERDICT_TYPES)
+            assert set(run["verdict"]) - {"held_opens"} == set(VERDICT_TYPES)
+            held = run["verdict"].get("held_opens")  # only in a hold mode's runs, with the agent
+            hold_run = run["agent"] and MODES[run["deployment_mode"]].hold
+            assert ("held_opens" in run["verdict"]) == hold_run
+            assert held is None or all(isinstance(x, str) for x in held)
             for key, types in VERDICT_TYPES.items():
                 assert isinstance(run["verdict"][key], types), key
             times = [e["t"] for e in run["events"]]
@@ -73,25 +81,32 @@ def test_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     check_schema(doc)
     (sc,) = doc["scenarios"]
-    assert [r["agent"] for r in sc["runs"]] == [False, True]
+    assert [r["agent"] for r in sc["runs"]] == [False, True, True]
     assert sc["clock_start"] == "11:51:06"
     first = sc["runs"][0]["events"][0]
     assert first["t"] == 0 and first["clock"] == "11:51:06"
     # The seed's own mode: the GPU Operator's driver container loads peermem itself, so
     # the agent cannot prevent its EINVAL; the with-agent run says so.
-    assert [r["deployment_mode"] for r in sc["runs"]] == ["operator-peermem-dm09"] * 2
-    for run in sc["runs"]:
+    # The third run: the same operator settings, nodeagent with the hold component.
+    modes = [r["deployment_mode"] for r in sc["runs"]]
+    assert modes == ["operator-peermem-dm09"] * 2 + ["operator-peermem-dm09-hold"]
+    for run in sc["runs"][:2]:
         assert run["verdict"]["peermem_failed_by"] == {"nvidia-driver-ctr": 1}
     labels = sc["runs"][1]["verdict"]["not_prevented"]
     assert any(
         "by nvidia-driver-ctr: not prevented in mode operator-peermem-dm09" in x for x in labels
     )
+    hold = sc["runs"][2]["verdict"]
+    assert hold["peermem_failed_by"] == {} and hold["driver_restarts"] == 0
 
 
-def test_compare_prints_both_timelines_and_the_verdicts(
+def test_compare_lanes_prints_both_timelines_and_the_verdicts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert simulate_main(["storage-module-race", "--compare", "--speed", "0"]) == 0
+    short = capsys.readouterr().out
+    assert "time " not in short and "storage-module-race --compare --lanes" in short
+    assert simulate_main(["storage-module-race", "--compare", "--lanes", "--speed", "0"]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("time"))
     assert "MOFED (no agent)" in header and "agent (agent)" in header and "║" in header
@@ -121,8 +136,11 @@ def test_deployment_mode_option_runs_the_scene_with_other_operator_settings(
     assert simulate_main([*argv, "--deployment-mode", "operator-peermem"]) == 0
     doc = json.loads(capsys.readouterr().out)
     check_schema(doc)
-    for run in doc["scenarios"][0]["runs"]:
-        assert run["deployment_mode"] == "operator-peermem"
+    runs = doc["scenarios"][0]["runs"]
+    assert [r["deployment_mode"] for r in runs] == [
+        "operator-peermem", "operator-peermem", "operator-peermem-hold",
+    ]  # fmt: skip
+    for run in runs:
         assert run["verdict"]["peermem_failed_loads"] == 0
         assert run["verdict"]["driver_restarts"] == 0 and run["verdict"]["peermem_loaded"]
 
