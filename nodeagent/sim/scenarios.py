@@ -815,9 +815,13 @@ def _not_prevented(v: Verdict, mode: DeploymentMode, probe_kills: int = 0) -> tu
     if mode.hold and v.sidecar_restarts and probe_kills == v.sidecar_restarts:
         out.append(
             f"nvidia-peermem-ctr restarts ({v.sidecar_restarts}): each by its own probe, "
-            "which fails whenever mlx5_core is loaded and nvidia_peermem is not (here while "
-            "the held load waits for MOFED's ready flag); no load failed: not prevented in "
-            f"mode {mode.name}"
+            "which fails whenever mlx5_core is loaded and nvidia_peermem is not ("
+            + (
+                "here while the held load waits for MOFED's ready flag"
+                if v.held_opens
+                else "no load was held: nvidia_peermem was out for MOFED's restart"
+            )
+            + f"); no load failed: not prevented in mode {mode.name}"
         )
     if v.driver_restarts or (
         v.sidecar_restarts and not (mode.hold and probe_kills == v.sidecar_restarts)
