@@ -8,4 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q -e . >/dev/null 2>&1 || .venv/bin/python -m pip install -e .
-exec .venv/bin/nodeagent simulate "${@:-all}" --compare
+# The summary alone has nothing to watch: run at full speed unless asked otherwise.
+pace=(--speed 0)
+for arg in "$@"; do
+  case "$arg" in --speed|--speed=*|--lanes) pace=() ;; esac
+done
+exec .venv/bin/nodeagent simulate "${@:-all}" --compare "${pace[@]}"
