@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,7 +51,20 @@ class SlowFileKernel:
         if state != "live":
             raise ModuleOpError("unload", name, errno.EBUSY)
         (d / "initstate").write_text("going\n")
-        unload = ["sh", "-c", 'sleep "$1"; rm -rf -- "$2"', "sh", str(DELETE_S), str(d)]
+        # The directory goes at once, as the kernel's does (kobject_del): renamed out of
+        # sys/module, then removed. A bare `rm -rf` took its files first, leaving for a
+        # moment a module directory with no initstate, which no reader of the real sysfs
+        # sees (the kill -9 tests' flake: read as loaded, not going).
+        gone = self.sys.parent / f".gone-{name}-{os.getpid()}-{time.monotonic_ns()}"
+        unload = [
+            "sh",
+            "-c",
+            'sleep "$1"; mv -- "$2" "$3" && rm -rf -- "$3"',
+            "sh",
+            str(DELETE_S),
+            str(d),
+            str(gone),
+        ]
         subprocess.run(unload, start_new_session=True, check=True)
         self.removed += 1
         if self.die_after is not None and self.removed >= self.die_after:

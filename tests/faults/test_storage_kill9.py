@@ -71,7 +71,8 @@ def trial(root: Path, die_after: int | None, offset_s: float | None) -> tuple[se
 
     def converged() -> bool:
         restarted.run_once()
-        return loaded(root) == set(MODULES) and not (root / HOLD).exists()
+        # a module going (an unload the killed agent began) is on its way out, not back
+        return loaded(root) == set(MODULES) and not going(root) and not (root / HOLD).exists()
 
     try:
         until(converged, f"the restarted agent loads back every module, hold gone (left {left})")
