@@ -13,6 +13,7 @@ import pytest
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
+from nodeagent.core.storage import LOCK_POLL_S
 
 from .waiting import WAIT, until
 
@@ -326,3 +327,55 @@ def test_an_nvme_controller_with_a_long_instance_number_is_a_user(tmp_path: Path
     verdict, kernel = storage_pass(root)
     assert (verdict.verdict, kernel.removed) == ("in-use", [])
     assert "NVMe-oF controller nvme123456" in verdict.reasons[0]
+
+
+def test_a_mofed_attempt_that_reopens_its_lock_is_seen_with_nothing_to_wake_the_loop(
+    tmp_path: Path,
+) -> None:
+    """The agent started while MOFED crash-loops on the storage modules: its lock file is
+    there (not held between attempts), its ready flag absent, rpcrdma loaded. The next
+    attempt takes the lock: a flock, which no inotify watch sees (here /proc/locks is
+    rewritten: a file no watch covers), and checks the modules ~1.7 s later. The guard
+    re-reads the lock table every LOCK_POLL_S in that state, so the chain goes out with
+    nothing to wake the loop (the resync is an hour)."""
+    root = node(tmp_path)
+    held = (root / "proc/locks").read_text()
+    (root / "proc/locks").write_text("")  # between two attempts
+    kernel = Kernel(root)
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+    first = agent.run_once(["start"])
+    storage = first.verdicts["storage"]
+    assert storage.verdict == "clear" and kernel.removed == []
+    assert storage.evidence["lock_poll_seconds"] == LOCK_POLL_S
+    assert first.wake_at is not None and first.wake_at <= first.started + LOCK_POLL_S
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        (root / "proc/locks").write_text(held)  # MOFED's next attempt takes its lock
+        until(lambda: kernel.removed == ["rpcrdma"], "the chain removed by a polled pass")
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+
+
+@pytest.mark.parametrize("state", ["no lock file", "flag present", "nothing loaded"])
+def test_the_lock_is_polled_only_while_mofed_has_run_and_not_finished(
+    tmp_path: Path, state: str
+) -> None:
+    """Nodes without MOFED, with MOFED installed, or with no storage module loaded pay
+    nothing: no poll."""
+    root = node(tmp_path)
+    (root / "proc/locks").write_text("")
+    if state == "no lock file":
+        (root / LOCK).unlink()
+    elif state == "flag present":
+        (root / "run/mellanox/drivers/.driver-ready").write_text("")
+    else:
+        shutil.rmtree(root / "sys/module/rpcrdma")
+    verdict, kernel = storage_pass(root)
+    assert verdict.verdict == "clear" and kernel.removed == []
+    assert "lock_poll_seconds" not in verdict.evidence

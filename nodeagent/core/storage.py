@@ -70,6 +70,12 @@ NEVER_REMOVE = frozenset({"nvme", "nvme_core", "nvme_fabrics"})
 HOLD_FILE = "etc/modprobe.d/nodeagent-storage-hold.conf"
 # A module seen going is looked at again this soon (its removal uevent wakes the loop too).
 GOING_RECHECK_S = 1.0
+# MOFED's lock file there, its ready flag absent, storage modules loaded: MOFED ran this
+# boot and has not finished, and its next attempt (a pod restart reopening the lock) wakes
+# no watch (a flock is no inotify event). It checks the storage modules ~1.7 s after
+# taking the lock (seed 004's log): /proc/locks is read this often meanwhile, so the
+# chain is out before the check. Bounded: only in that state (a pass costs a few ms).
+LOCK_POLL_S = 0.5
 
 StoragePolicyName = Literal["unload", "hold", "off"]
 BackoffPhase = Literal["remove", "load"]
@@ -390,6 +396,15 @@ class StorageGuard:
                         for m in memory.removed
                         if m not in snap.modules
                     ]
+        lock = snap.file(self.mofed.lock)
+        if verdict == "clear" and loaded and not ready and lock.present and pol.policy != "off":
+            wake_at = _sooner(wake_at, snap.now + LOCK_POLL_S)
+            evidence["lock_poll_seconds"] = LOCK_POLL_S
+            reasons.append(
+                f"MOFED's lock {self.mofed.lock} is there and its ready flag is not: its next "
+                f"attempt wakes no watch, so the lock table is read every {LOCK_POLL_S:g} s "
+                "while storage modules are loaded"
+            )
         ok = verdict in ("clear", "holding")
         return GuardDecision(
             verdict=Verdict(self.name, verdict, ok, tuple(reasons), evidence),
