@@ -61,7 +61,10 @@ MOFED_SH = r"""
 set -u
 d=/run/mellanox/drivers
 mkdir -p "$d"
-exec 9>"$d/.lock"
+# As the Go entrypoint takes it (gofrs/flock: open O_CREATE|O_RDONLY, then flock): the
+# file made on the first start, reopened read-only after, which no inotify watch sees.
+[ -e "$d/.lock" ] || : > "$d/.lock"
+exec 9<"$d/.lock"
 flock -n 9 || { echo "another MOFED holds $d/.lock, exiting"; exit 1; }
 echo "Unsetting driver ready state"
 rm -f "$d/.driver-ready"
@@ -167,11 +170,17 @@ def idle() -> None:
     waiting.until(lambda: not _refcnt("rpcrdma"), "rpcrdma unused after the mount", WAIT)
 
 
-def replay_storage(with_agent: bool, restarts: int | None = None) -> dict[str, Any]:
+def replay_storage(
+    with_agent: bool,
+    restarts: int | None = None,
+    agent_late: bool = False,
+) -> dict[str, Any]:
     """Seed 004 on this kernel: the failed NFS-over-RDMA mount, then MOFED's pod started
     and restarted as a kubelet would (the volume's mount retried in between); with the
-    agent, ``nodeagent run`` is up before MOFED's pod. ``restarts``: how many times the
-    kubelet restarts a refusing pod before the replay gives up."""
+    agent, ``nodeagent run`` is up before MOFED's pod, or with ``agent_late`` only after
+    its first refusal (MOFED already crash-looping: each restart reopens the lock file the
+    first made, which wakes no watch). ``restarts``: how many times the kubelet restarts
+    a refusing pod before the replay gives up."""
     if restarts is None:
         restarts = RESTARTS_AGENT if with_agent else RESTARTS
     for tool in ("ip", "rdma"):
@@ -201,17 +210,25 @@ def replay_storage(with_agent: bool, restarts: int | None = None) -> dict[str, A
             row["rpcrdma_after_mount"] = "rpcrdma" in _loaded()
             # The failed transport is torn down asynchronously: idle once its reference goes.
             idle()
-            if with_agent:
-                ga = agent = GuestAgent().start()
+
+            def start_agent() -> GuestAgent:
+                ga = GuestAgent().start()
                 ga.until(
                     lambda: ga.verdict("storage") == "clear",
-                    "the agent's storage verdict clear (MOFED not started yet)",
+                    "the agent's storage verdict clear (MOFED not attempting now)",
                     WAIT,
                 )
+                return ga
+
+            if with_agent and not agent_late:
+                agent = start_agent()
             attempts: list[dict[str, Any]] = []
             retries: list[dict[str, Any]] = []  # the kubelet's retries of the mount
             tool_words: list[str] = []
             for n in range(1 + restarts):  # the pod, then the kubelet's restarts
+                if n == 1 and with_agent and agent_late:
+                    agent = start_agent()
+                    row["agent_started_after"] = len(attempts)
                 if n:
                     # Between MOFED's restarts (CrashLoopBackOff) the kubelet retries the
                     # volume's mount: without a hold it loads the chain again.
@@ -296,4 +313,24 @@ def test_with_the_agent_mofed_installs_and_the_chain_comes_back() -> None:
     # MOFED ready: the hold file gone, rpcrdma loaded back.
     assert row["storage_back"], row
     assert row["agent_exit"] == 0, row
+    assert row["left_loaded"] == [], row
+
+
+def test_an_agent_started_while_mofed_crash_loops_sees_its_next_attempt() -> None:
+    """MOFED refused once before the agent was up; its restarts reopen the lock file the
+    first attempt made (a flock: no inotify event). The storage guard reads the lock
+    table every 0.5 s while that lock file exists, the flag is absent and the chain is
+    loaded, so the next attempt finds the chain out.
+
+    It does not tell the poll apart: with the poll disabled it passed too (3 of 3 runs,
+    also with the resync at an hour and the agent left quiet 5 s first), because other
+    timed passes of the agent in this state (a guard's wake_at, seconds apart) fell in
+    the attempt's 1.7 s. The poll's own test: tests/test_storage_agent.py."""
+    row = replay_storage(with_agent=True, agent_late=True)
+    assert row["agent_started_after"] == 1 and not row["attempts"][0]["installed"], row
+    assert row["mofed_installed"], row
+    assert row["refusals"] == 1, row  # the one before the agent, none after
+    verdicts = row["agent_verdicts"]
+    assert verdicts[0] == "clear" and "blocking" in verdicts and verdicts[-1] == "clear", row
+    assert row["storage_back"] and row["agent_exit"] == 0, row
     assert row["left_loaded"] == [], row
