@@ -258,7 +258,19 @@ def test_a_corrupt_archive_is_one_line_and_the_rest_is_read(tmp_path: Path) -> N
     doc, p = explain(str(bad), str(good))
     assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"]
     (line,) = p.stderr.splitlines()
-    assert line.startswith(f"nodeagent explain: {bad}: ")
+    assert line.startswith(f"nodeagent explain: {bad}: ") and line.endswith("; not read")
+    # alone, nothing could be read: exit 2, as for a missing file
+    alone = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "explain", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr
+    fifo = tmp_path / "x.tar"
+    os.mkfifo(fifo)
+    doc, p = explain(str(fifo), str(good))  # a FIFO named like a tar: refused, not waited on
+    assert p.stderr.strip() == f"nodeagent explain: {fifo}: is not a regular file; not read"
 
 
 @pytest.mark.parametrize(

@@ -122,30 +122,33 @@ def _dir_files(top: str, problems: list[str]) -> Iterator[str]:
             yield os.path.relpath(full, top)
 
 
+def open_regular(path: str, *, follow: bool = True) -> IO[bytes]:
+    """``path`` opened for reading if it is a regular file: opened non-blocking (a FIFO
+    does not wait for a writer), checked, then blocking; else OSError naming what it is."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise OSError(0, f"is {what}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def _dir_open(top: str, names: list[str]) -> Iterator[tuple[str, IO[bytes]]]:
     for name in names:
         try:
-            fd = os.open(
-                os.path.join(top, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            )
+            fh = open_regular(os.path.join(top, name), follow=False)
         except OSError:
             continue
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            continue
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb") as fh:
+        with fh:
             yield name, fh
 
 
 def _tar_members(path: str) -> Iterator[tuple[str, IO[bytes]]]:
     """(name, stream) of each regular member, read as a stream: never extracted."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(0, "not a regular file")
-    os.set_blocking(fd, True)
-    with os.fdopen(fd, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+    with open_regular(path) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
         count = 0
         for member in tar:
             count += 1

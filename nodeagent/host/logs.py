@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import IO
 
 from nodeagent.core.explain import LINE_MAX, Explainer, may_have_evidence
-from nodeagent.host.bundle import gunzipped, is_tar_name, walk
+from nodeagent.host.bundle import gunzipped, is_tar_name, open_regular, walk
 
 CHUNK = 1 << 20
 
@@ -60,19 +60,25 @@ def explain_inputs(paths: list[str], ex: Explainer) -> tuple[int, list[str]]:
     read = 0
     problems: list[str] = []
 
+    started = [0]  # logs whose reading began (a bundle that fails before any: not read)
+
     def feed(name: str, fh: IO[bytes], node: str = "") -> None:
+        started[0] += 1
         for n, line in lines_of(fh, lambda c: _wanted(c, ex), ex.total):
             ex.feed(name, n, line, node)
 
     for path in paths or ["-"]:
         name = "<stdin>" if path == "-" else path
         if path != "-" and (is_tar_name(path) or _is_dir(path)):
+            before = started[0]
             try:
                 ex.bundles.append(walk(path, feed, problems))
                 read += 1
             except (OSError, tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
-                problems.append(f"{name}: {_why(exc)}; not read whole")
-                read += 1
+                # an archive that gave no line was not read (all unread: exit 2)
+                some = started[0] > before
+                problems.append(f"{name}: {_why(exc)}; {'read in part' if some else 'not read'}")
+                read += some
             continue
         try:
             fh = _open(path)
@@ -116,11 +122,4 @@ def _wanted(chunk: bytes, ex: Explainer) -> bool:
 def _open(path: str) -> IO[bytes]:
     if path == "-":
         return sys.stdin.buffer
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise OSError(0, f"is {what}")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    return open_regular(path)
