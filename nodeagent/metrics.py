@@ -62,7 +62,7 @@ from nodeagent.errors import NodeagentError
 log = logging.getLogger("nodeagent.metrics")
 
 # What woke a pass, by the first word of each wake-up (events.py, agent.py).
-WAKE_SOURCES = frozenset({"start", "once", "resync", "inotify", "uevent", "stop"})
+WAKE_SOURCES = frozenset({"start", "once", "resync", "scheduled", "inotify", "uevent", "stop"})
 ACTION_KINDS: dict[type, str] = {
     LoadModuleFile: "load",
     LoadModule: "load",

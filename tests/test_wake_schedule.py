@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
-from nodeagent.host.gatefile import RENEW_S
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from nodeagent.agent import Agent
+from nodeagent.config import Config
+from nodeagent.host.fs import HostRoot
+from nodeagent.host.gatefile import RENEW_S, GateFiles
+from nodeagent.loop import passes as passes_module
 from nodeagent.loop.passes import PASS_RETRY_S, WakeSchedule
+from nodeagent.sim.node import GATE
+
+from .healthy import healthy_node
+from .waiting import WAIT, until
 
 
 def test_a_pass_is_due_at_the_resync_when_no_guard_asks_sooner() -> None:
@@ -45,3 +59,47 @@ def test_the_resync_is_rescheduled_once_it_came_due() -> None:
     assert s.next_wake(29.0, beat=False)[0] == 30.0  # not due yet: unchanged
     s.after(31.0)
     assert s.next_wake(31.0, beat=False)[0] == 61.0
+
+
+# -- the loop: a beat is a beat, not a pass ---------------------------------------------
+
+
+def test_an_idle_agent_with_a_gate_open_beats_and_makes_no_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle with the peermem gate open: the loop renews the gate's lease every RENEW_S
+    (here shortened) and makes no pass until an event or the resync (an hour): a waker's
+    timeout is a timeout, not a reason for a pass (issue 50: every beat was a full pass)."""
+    monkeypatch.setattr(passes_module, "RENEW_S", 0.02)
+    node = healthy_node(tmp_path)
+    cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=3600)
+    agent = Agent(cfg, module_ops=node.kernel, pass_context=lambda: node.sched.world)
+    gates = GateFiles(HostRoot(tmp_path), cfg.paths.state_dir)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: agent.beats >= 3, "the loop never beat with the gate open")
+        assert gates.read("peermem").is_open, "the healthy node's gate is open"
+        passes, beats = agent.passes, agent.beats
+        until(lambda: agent.beats >= beats + 40, "the loop stopped beating")
+        assert agent.passes == passes, f"{agent.passes - passes} passes in 40 beats"
+        lease_before = json.loads((tmp_path / GATE).read_text())["lease_until"]
+        until(
+            lambda: json.loads((tmp_path / GATE).read_text())["lease_until"] > lease_before,
+            "a beat renews the lease",
+        )
+        # An event still makes a pass, at once.
+        agent.poke.poke("test")
+        until(lambda: agent.passes == passes + 1, "a poke makes a pass")
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
+    assert not thread.is_alive()
+
+
+def test_a_pass_that_came_due_with_no_event_says_why() -> None:
+    s = WakeSchedule(now=0.0, resync_s=30.0)
+    s.passed(5.0)  # a guard's wake_at
+    assert s.due(5.0) == "scheduled"
+    assert s.due(30.0) == "resync"

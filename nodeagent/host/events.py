@@ -473,7 +473,9 @@ def readable(sources: Sequence[WakeSource], timeout: float | None = 0) -> list[i
 
 
 class Waker:
-    """Blocks until any source has something or the timeout passes; returns what woke it."""
+    """Blocks until any source has something or the timeout passes; returns what woke it:
+    nothing when only the timeout passed (a timeout is not a reason for a pass: the loop
+    knows whether it was a beat or a pass that came due)."""
 
     def __init__(self, sources: Sequence[WakeSource]) -> None:
         self.sources = list(sources)
@@ -483,11 +485,9 @@ class Waker:
             timeout = 0
         if any(getattr(s, "holds", False) for s in self.sources):
             timeout = 0  # a source already read what woke it (``has_pending``)
-        ready = readable(self.sources, timeout)
+        readable(self.sources, timeout)
         reasons: list[str] = []
         # Drain every source, not just the ready ones: one pass covers them all.
         for s in self.sources:
             reasons.extend(s.drain())
-        if not ready and not reasons:
-            return ["resync"]
         return reasons

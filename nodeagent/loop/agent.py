@@ -72,6 +72,8 @@ class Agent:
         # Set while the loop waits for an event (no pass, no beat running): for benches and
         # tests that need "the loop idle" before they act.
         self.waiting = threading.Event()
+        # Heartbeats between passes (``renew_leases``), counted for tests and benches.
+        self.beats = 0
         # The pass's collaborators, named here for the run loop, tests and tools.
         self.clock = passes.clock
         self.reconciler = passes.reconciler
@@ -213,6 +215,8 @@ class Agent:
             schedule.after(now)
             # Between passes the loop beats every RENEW_S while a gate is open, a withdrawal
             # failed or an exporter keeps a heartbeat: the lease proves the loop, not a thread.
+            # A beat renews and writes heartbeats, nothing else: only an event or a pass
+            # that came due (the resync, a guard's wake_at) makes a pass.
             while True:
                 beat = (
                     self.gates.needs_beat()
@@ -228,11 +232,16 @@ class Agent:
                 if woken_by:  # a file just created: its writer closes it first
                     woken_by += watch.settle(SETTLE_S)
                 now = self.clock()
-                if woken_by or self.stopping.is_set() or now >= deadline:
+                if woken_by or self.stopping.is_set():
                     break
-                with self.pass_context():
-                    self.renew_leases()
-                    self.exporters.beat()
+                if now >= deadline:
+                    woken_by = [schedule.due(now)]
+                    break
+                if beat:
+                    with self.pass_context():
+                        self.renew_leases()
+                        self.exporters.beat()
+                    self.beats += 1
 
     def _stop(self, watch: FileWatch) -> None:
         """The stop order: sides let go (every held open allowed), the watch closes, the

@@ -330,6 +330,10 @@ class WakeSchedule:
         if now >= self.resync_at:
             self.resync_at = now + self.resync_s
 
+    def due(self, now: float) -> str:
+        """Why a pass came due at ``now`` with no event (the reason the pass records)."""
+        return "resync" if now >= self.resync_at else "scheduled"
+
     def next_wake(self, now: float, beat: bool) -> tuple[float, float]:
         """(when a pass is due, how long to wait for an event before looking again)."""
         deadline = self.resync_at if self.wake_at is None else min(self.resync_at, self.wake_at)
