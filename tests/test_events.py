@@ -300,3 +300,61 @@ def test_settle_waits_for_the_writer_of_a_file_just_created_and_no_longer(
         assert not watch._writing
     finally:
         watch.close()
+
+
+# -- a file whose openings wake the loop (MOFED's lock: issue 50) -----------------------
+
+
+def test_an_opened_file_wakes_and_is_remembered_across_its_recreation(tmp_path: Path) -> None:
+    d = tmp_path / "run/mellanox/drivers"
+    d.mkdir(parents=True)
+    lock = d / ".lock"
+    lock.touch()
+    ticks = iter(range(1, 1000))
+    watch = FileWatch(tmp_path, [d], opens={lock: "lock"}, clock=lambda: float(next(ticks)))
+    waker = Waker([watch])
+    try:
+        assert watch.opened_at("lock") is None
+        os.stat(lock)  # a stat is no opening
+        os.close(os.open(lock, os.O_RDONLY))
+        seen = wait_for(waker, lambda s: f"inotify opened {lock}" in s)
+        assert f"inotify opened {lock}" in seen
+        first = watch.opened_at("lock")
+        assert first is not None
+        # Made again (MOFED's first start on a fresh /run): the creation is an opening,
+        # and the new inode's openings are seen once refresh() moved the watch.
+        lock.unlink()
+        fd = os.open(lock, os.O_CREAT | os.O_RDONLY, 0o600)
+        os.close(fd)
+        seen = wait_for(waker, lambda s: f"inotify created {lock}" in s)
+        assert f"inotify created {lock}" in seen
+        second = watch.opened_at("lock")
+        assert second is not None and second > first
+        watch.refresh()
+        os.close(os.open(lock, os.O_RDONLY))
+        assert f"inotify opened {lock}" in wait_for(waker, lambda s: f"inotify opened {lock}" in s)
+        third = watch.opened_at("lock")
+        assert third is not None and third > second
+    finally:
+        watch.close()
+
+
+def test_a_link_where_the_opened_file_should_be_is_not_watched(tmp_path: Path) -> None:
+    """The watch is on the file's own inode, never through a symlink planted at its path
+    (an opening of whatever it points at is not MOFED's)."""
+    d = tmp_path / "drivers"
+    d.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("")
+    lock = d / ".lock"
+    lock.symlink_to(elsewhere)
+    watch = FileWatch(tmp_path, [d], opens={lock: "lock"})
+    waker = Waker([watch])
+    try:
+        os.close(os.open(elsewhere, os.O_RDONLY))
+        (d / "sentinel").write_text("")  # queued after the opening, had it been seen
+        seen = wait_for(waker, lambda s: any("sentinel" in x for x in s))
+        assert not any(x.startswith("inotify opened") for x in seen), seen
+        assert watch.opened_at("lock") is None
+    finally:
+        watch.close()

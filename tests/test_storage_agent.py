@@ -13,7 +13,7 @@ import pytest
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
-from nodeagent.core.storage import LOCK_POLL_S
+from nodeagent.core.storage import LOCK_LOOK_S, LOCK_RELOOK_S
 
 from .waiting import WAIT, until
 
@@ -329,15 +329,14 @@ def test_an_nvme_controller_with_a_long_instance_number_is_a_user(tmp_path: Path
     assert "NVMe-oF controller nvme123456" in verdict.reasons[0]
 
 
-def test_a_mofed_attempt_that_reopens_its_lock_is_seen_with_nothing_to_wake_the_loop(
+def test_a_mofed_attempt_that_reopens_its_lock_wakes_the_loop_by_its_opening(
     tmp_path: Path,
 ) -> None:
     """The agent started while MOFED crash-loops on the storage modules: its lock file is
     there (not held between attempts), its ready flag absent, rpcrdma loaded. The next
-    attempt takes the lock: a flock, which no inotify watch sees (here /proc/locks is
-    rewritten: a file no watch covers), and checks the modules ~1.7 s later. The guard
-    re-reads the lock table every LOCK_POLL_S in that state, so the chain goes out with
-    nothing to wake the loop (the resync is an hour)."""
+    attempt opens the lock and takes a flock, which no inotify watch sees (here
+    /proc/locks is rewritten: a file no watch covers). Its opening wakes the loop, so the
+    chain goes out with nothing else to wake it (the resync is an hour, no poll)."""
     root = node(tmp_path)
     held = (root / "proc/locks").read_text()
     (root / "proc/locks").write_text("")  # between two attempts
@@ -347,27 +346,58 @@ def test_a_mofed_attempt_that_reopens_its_lock_is_seen_with_nothing_to_wake_the_
         module_ops=kernel,  # type: ignore[arg-type]
         kernel_log=lambda m: [],
     )
-    first = agent.run_once(["start"])
-    storage = first.verdicts["storage"]
-    assert storage.verdict == "clear" and kernel.removed == []
-    assert storage.evidence["lock_poll_seconds"] == LOCK_POLL_S
-    assert first.wake_at is not None and first.wake_at <= first.started + LOCK_POLL_S
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     try:
-        (root / "proc/locks").write_text(held)  # MOFED's next attempt takes its lock
-        until(lambda: kernel.removed == ["rpcrdma"], "the chain removed by a polled pass")
+        until(lambda: agent.passes >= 1 and agent.waiting.is_set(), "the first pass")
+        assert kernel.removed == []
+        first = agent.passes
+        (root / "proc/locks").write_text(held)  # MOFED's next attempt takes its lock...
+        fd = os.open(root / LOCK, os.O_RDONLY)  # ...having opened it (gofrs/flock)
+        os.close(fd)
+        until(lambda: kernel.removed == ["rpcrdma"], "the chain removed by the woken pass")
+        assert agent.passes > first
     finally:
         agent.stop()
         thread.join(WAIT)
 
 
+def opened_pass(root: Path, seconds_ago: float | None) -> tuple[Verdict, float | None, float]:
+    """One pass of a fresh agent whose watch saw MOFED's lock opened ``seconds_ago``:
+    the storage verdict, the pass's wake_at and its start."""
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
+        module_ops=Kernel(root),  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+    at = None if seconds_ago is None else agent.clock() - seconds_ago
+    agent.observer.opened_at = lambda rel: at if rel == LOCK else None
+    result = agent.run_once(["start"])
+    agent.close()
+    return result.verdicts["storage"], result.wake_at, result.started
+
+
+def test_a_pass_that_comes_before_the_flock_looks_again_briefly(tmp_path: Path) -> None:
+    """The opening woke a pass before MOFED's flock: the lock table is read again every
+    LOCK_RELOOK_S, and only until LOCK_LOOK_S after the opening."""
+    root = node(tmp_path)
+    (root / "proc/locks").write_text("")  # opened, not yet flocked
+    verdict, wake_at, started = opened_pass(root, 0.05)
+    assert verdict.verdict == "clear"
+    assert 0.0 < verdict.evidence["lock_opened_seconds_ago"] < LOCK_LOOK_S
+    assert wake_at is not None and wake_at <= started + LOCK_RELOOK_S + 0.05
+    for seconds_ago in (None, LOCK_LOOK_S + 0.1):  # never seen opened; or a while ago
+        verdict, wake_at, _ = opened_pass(root, seconds_ago)
+        assert "lock_opened_seconds_ago" not in verdict.evidence
+        assert wake_at is None, f"opened {seconds_ago} s ago: a pass is still asked for"
+
+
 @pytest.mark.parametrize("state", ["no lock file", "flag present", "nothing loaded"])
-def test_the_lock_is_polled_only_while_mofed_has_run_and_not_finished(
+def test_an_opening_asks_for_no_pass_unless_mofed_has_run_and_not_finished(
     tmp_path: Path, state: str
 ) -> None:
-    """Nodes without MOFED, with MOFED installed, or with no storage module loaded pay
-    nothing: no poll."""
+    """Nodes without MOFED's lock, with MOFED installed, or with no storage module loaded
+    pay nothing for an opening: no pass asked for."""
     root = node(tmp_path)
     (root / "proc/locks").write_text("")
     if state == "no lock file":
@@ -376,6 +406,7 @@ def test_the_lock_is_polled_only_while_mofed_has_run_and_not_finished(
         (root / "run/mellanox/drivers/.driver-ready").write_text("")
     else:
         shutil.rmtree(root / "sys/module/rpcrdma")
-    verdict, kernel = storage_pass(root)
-    assert verdict.verdict == "clear" and kernel.removed == []
-    assert "lock_poll_seconds" not in verdict.evidence
+    verdict, wake_at, _ = opened_pass(root, 0.05)
+    assert verdict.verdict == "clear"
+    assert "lock_opened_seconds_ago" not in verdict.evidence
+    assert wake_at is None

@@ -38,6 +38,10 @@ class Needs:
     chain_trees: tuple[str, ...] = ()
     disk: tuple[DiskNeed, ...] = ()
     files: frozenset[str] = frozenset()  # marker files (presence + identity), watched
+    # Of those, files whose every opening wakes the loop (an inotify IN_OPEN watch on the
+    # file itself) and is observed as ``FileFact.opened_at``: MOFED's lock, whose next
+    # attempt opens it and then takes a flock, which no watch sees.
+    opens: frozenset[str] = frozenset()
     # Of those, markers whose presence means "stop" (MOFED's blacklist file): a
     # symlink, directory or FIFO there counts as present; elsewhere as absent.
     present_if_odd: frozenset[str] = frozenset()
@@ -64,6 +68,7 @@ class Needs:
                 modules=out.modules | n.modules,
                 chains=out.chains | n.chains,
                 files=out.files | n.files,
+                opens=out.opens | n.opens,
                 present_if_odd=out.present_if_odd | n.present_if_odd,
                 listings=out.listings | n.listings,
                 texts=out.texts | n.texts,
@@ -79,6 +84,7 @@ class Needs:
             chain_trees=tuple(trees),
             disk=tuple(disk.values()),
             files=out.files,
+            opens=out.opens,
             present_if_odd=out.present_if_odd,
             listings=out.listings,
             texts=out.texts,

@@ -74,6 +74,9 @@ class FileFact:
     ident: FileId | None = None
     problem: str | None = None
     device: tuple[int, int] | None = None  # (major, minor) of its filesystem, to match proc/locks
+    # When the agent last saw it opened (or created), on the snapshot's clock; only for a
+    # file a guard asked to see opened (``Needs.opens``), None when not seen since start.
+    opened_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -70,12 +70,15 @@ NEVER_REMOVE = frozenset({"nvme", "nvme_core", "nvme_fabrics"})
 HOLD_FILE = "etc/modprobe.d/nodeagent-storage-hold.conf"
 # A module seen going is looked at again this soon (its removal uevent wakes the loop too).
 GOING_RECHECK_S = 1.0
-# MOFED's lock file there, its ready flag absent, storage modules loaded: MOFED ran this
-# boot and has not finished, and its next attempt (a pod restart reopening the lock) wakes
-# no watch (a flock is no inotify event). It checks the storage modules ~1.7 s after
-# taking the lock (seed 004's log): /proc/locks is read this often meanwhile, so the
-# chain is out before the check. Bounded: only in that state (a pass costs a few ms).
-LOCK_POLL_S = 0.5
+# MOFED's next attempt (a pod restart reopening its existing lock: gofrs/flock opens the
+# file, then flocks it) takes a flock, which no inotify watch sees; its opening does (the
+# guard asks for it: ``Needs.opens``). A pass woken by the opening may come before the
+# flock: while the lock was opened less than LOCK_LOOK_S ago, unheld, the flag absent and
+# storage modules loaded, the lock table is read again every LOCK_RELOOK_S. MOFED checks
+# the storage modules ~1.7 s after taking the lock (seed 004's log). Bounded: a few
+# passes after each opening, none otherwise (MOFED stopped for good costs nothing).
+LOCK_LOOK_S = 0.5
+LOCK_RELOOK_S = 0.1
 
 StoragePolicyName = Literal["unload", "hold", "off"]
 BackoffPhase = Literal["remove", "load"]
@@ -199,6 +202,7 @@ class StorageGuard:
             chains=frozenset(self.policy.roots),
             chain_trees=(HOST_TREE, self.paths.mofed_driver_root),
             files=self.mofed.files | {self.policy.hold_file, *self.policy.pending_markers},
+            opens=frozenset({self.mofed.lock}),
             locks=True,
             mounts=True,
             nvme=True,
@@ -397,13 +401,22 @@ class StorageGuard:
                         if m not in snap.modules
                     ]
         lock = snap.file(self.mofed.lock)
-        if verdict == "clear" and loaded and not ready and lock.present and pol.policy != "off":
-            wake_at = _sooner(wake_at, snap.now + LOCK_POLL_S)
-            evidence["lock_poll_seconds"] = LOCK_POLL_S
+        opened_s_ago = None if lock.opened_at is None else snap.now - lock.opened_at
+        if (
+            verdict == "clear"
+            and loaded
+            and not ready
+            and lock.present
+            and pol.policy != "off"
+            and opened_s_ago is not None
+            and opened_s_ago < LOCK_LOOK_S
+        ):
+            wake_at = _sooner(wake_at, snap.now + LOCK_RELOOK_S)
+            evidence["lock_opened_seconds_ago"] = round(opened_s_ago, 3)
             reasons.append(
-                f"MOFED's lock {self.mofed.lock} is there and its ready flag is not: its next "
-                f"attempt wakes no watch, so the lock table is read every {LOCK_POLL_S:g} s "
-                "while storage modules are loaded"
+                f"MOFED opened its lock {self.mofed.lock} {opened_s_ago:.2f} s ago and holds "
+                f"no flock on it yet: the lock table is read again every {LOCK_RELOOK_S:g} s "
+                f"until {LOCK_LOOK_S:g} s after the opening"
             )
         ok = verdict in ("clear", "holding")
         return GuardDecision(

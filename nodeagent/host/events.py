@@ -25,10 +25,11 @@ import logging
 import os
 import select
 import signal
+import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,6 +104,7 @@ IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
 IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
 IN_Q_OVERFLOW, IN_IGNORED, IN_ONLYDIR = 0x4000, 0x8000, 0x01000000
+IN_OPEN, IN_DONT_FOLLOW = 0x20, 0x02000000
 IN_ISDIR = 0x40000000
 WATCH_MASK = (
     IN_MODIFY
@@ -116,6 +118,8 @@ WATCH_MASK = (
     | IN_MOVE_SELF
     | IN_ONLYDIR
 )
+# A file whose openings wake the loop: watched itself (its inode), never through a link.
+OPEN_MASK = IN_OPEN | IN_DELETE_SELF | IN_DONT_FOLLOW
 _EVENT_WORDS = (
     (IN_CREATE, "created"),
     (IN_DELETE, "deleted"),
@@ -170,13 +174,23 @@ class FileWatch:
         root: Path,
         targets: Iterable[Path],
         explained: Callable[[Path], bool] | None = None,
+        *,
+        opens: Mapping[Path, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``explained(path)``: an event on ``path`` cannot change the observation beyond
         what a pass checks again anyway (a marker file's identity, a name nobody reads in a
         markers' directory). It still wakes the loop, but ``has_pending`` does not count
         it: ``touch`` of MOFED's flag is three events, and the last two, arriving while
         the pass woken by the first decides, made its decision stale (a second pass
-        before the gate, in one trial in four: issue 39)."""
+        before the gate, in one trial in four: issue 39).
+
+        ``opens``: files (absolute path -> the name ``opened_at`` answers to) whose every
+        opening wakes the loop and is remembered with ``clock``'s time: an ``IN_OPEN``
+        watch on the file's inode, moved to the new inode by ``refresh`` when the file is
+        made again; its creation in a watched directory counts as an opening too (an
+        ``O_CREAT`` open reports ``IN_CREATE`` there and ``IN_OPEN`` only on the file).
+        Each must be in one of ``targets``' directories, so that its creation is seen."""
         self.root = root
         self.targets = [Path(t) for t in targets]
         self.explained = explained
@@ -194,6 +208,11 @@ class FileWatch:
         # Files created in a watched directory whose writer has not closed them yet (by
         # watch descriptor and name; bounded): ``settle`` waits for them.
         self._writing: set[tuple[int, bytes]] = set()
+        self.clock = clock
+        self._opens = dict(opens or {})
+        self._open_watches: dict[Path, tuple[int, int]] = {}  # path -> (wd, inode watched)
+        self._open_wd: dict[int, Path] = {}
+        self._opened: dict[str, float] = {}  # name -> when last seen opened
         self._started = False
         self.refresh()
         self._started = True
@@ -238,7 +257,47 @@ class FileWatch:
             added.append(d)
             if self._started:
                 self._hold(f"inotify watching {d}")
+        for path in self._opens:
+            self._refresh_open_watch(path)
         return added
+
+    def _refresh_open_watch(self, path: Path) -> None:
+        """Watch the regular file now at ``path`` for openings (none if absent or odd)."""
+        try:
+            st = os.lstat(path)
+            inode = st.st_ino if stat.S_ISREG(st.st_mode) else None
+        except OSError:
+            inode = None
+        current = self._open_watches.get(path)
+        if current is not None and current[1] == inode:
+            return
+        if current is not None:
+            self._drop_open_watch(path)
+        if inode is None:
+            return
+        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(path), OPEN_MASK)
+        if wd < 0:  # gone between the lstat and the watch: its creation wakes the loop
+            return
+        self._open_watches[path] = (wd, inode)
+        self._open_wd[wd] = path
+
+    def _drop_open_watch(self, path: Path) -> None:
+        wd, _ = self._open_watches.pop(path)
+        if self._open_wd.pop(wd, None) is not None:
+            self._libc.inotify_rm_watch(self._fd, wd)  # EINVAL if the kernel dropped it
+
+    def opened_at(self, name: str) -> float | None:
+        """When one of ``opens`` was last seen opened (``clock``'s time), if ever."""
+        return self._opened.get(name)
+
+    def _saw_open(self, path: Path, word: str) -> None:
+        self._opened[self._opens[path]] = self.clock()
+        if self.explained is None or not self.explained(path):
+            self._unexplained = True
+        if len(self._held) < REASONS_MAX:
+            self._held.append(f"inotify {word} {path}")
+        else:
+            self._held_more += 1
 
     def _unwatch(self, d: Path) -> None:
         wd = self._by_dir.pop(d)
@@ -286,6 +345,14 @@ class FileWatch:
             if mask & IN_Q_OVERFLOW:
                 self._hold("inotify queue overflow: events were lost")
                 continue
+            opened = self._open_wd.get(wd)
+            if opened is not None:
+                if mask & IN_OPEN:
+                    self._saw_open(opened, "opened")
+                if mask & (IN_IGNORED | IN_DELETE_SELF):  # the inode went: refresh() again
+                    self._open_wd.pop(wd, None)
+                    self._open_watches.pop(opened, None)
+                continue
             watch = self._by_wd.get(wd)
             if watch is None:
                 continue
@@ -296,6 +363,9 @@ class FileWatch:
             if not (watch.everything or name in watch.on_the_way):
                 continue
             if mask & IN_CREATE and not mask & IN_ISDIR:
+                if self._opens and (made := watch.directory / os.fsdecode(name)) in self._opens:
+                    self._saw_open(made, "created")  # its creator holds it open: no settle
+                    continue
                 if len(self._writing) < WRITING_MAX:
                     self._writing.add((wd, name))
             elif mask & (IN_CLOSE_WRITE | IN_MOVED_FROM | IN_DELETE) and self._writing:

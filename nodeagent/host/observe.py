@@ -24,7 +24,7 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -116,6 +116,9 @@ class Observer:
             lambda: read_nvmet_ports(host, cfg.paths.nvmet_ports)
         )
         self.read_sriov: SriovReader = readers.sriov
+        # When the loop's watch last saw each of ``needs.opens`` opened (the run loop sets
+        # it to its FileWatch's; an agent driven pass by pass sees no opening).
+        self.opened_at: Callable[[str], float | None] = lambda _rel: None
         # identity key -> (parse result, the descriptor it was read from)
         self._ko_cache: dict[_KoKey, tuple[ModuleFile | str, int]] = {}
         self._verified: dict[str, tuple[int, _KoKey]] = {}  # rel path -> the last pass's file
@@ -350,15 +353,16 @@ class Observer:
         problems.extend(p for found in unread.values() for p in found)
         sriov, sriov_problems = self.read_sriov() if needs.sriov else no_sriov()
         problems.extend(sriov_problems)
+        # A marker whose presence means "stop" counts as present in an odd form.
+        files = self.host.file_facts(sorted(needs.files), odd=needs.present_if_odd)
+        for rel in needs.opens & files.keys():
+            files[rel] = replace(files[rel], opened_at=self.opened_at(rel))
         return NodeSnapshot(
             now=now,
             kernel=kernel,
             modules=MappingProxyType(dict(sorted(modules.items()))),
             disk=MappingProxyType(disk),
-            # A marker whose presence means "stop" counts as present in an odd form.
-            files=MappingProxyType(
-                self.host.file_facts(sorted(needs.files), odd=needs.present_if_odd)
-            ),
+            files=MappingProxyType(files),
             listings=MappingProxyType(
                 {d: tuple(self.host.listing(d, problems)) for d in sorted(needs.listings)}
             ),

@@ -158,8 +158,13 @@ class Agent:
             return
         root = self.host.root
         watch = FileWatch(
-            root, [self.host.path(d) for d in self.watched_dirs()], self._explained_events()
+            root,
+            [self.host.path(d) for d in self.watched_dirs()],
+            self._explained_events(),
+            opens={self.host.path(rel): rel for rel in self.observer.needs.opens},
+            clock=self.clock,
         )
+        self.observer.opened_at = watch.opened_at
         sources: list[WakeSource] = [self.poke, watch, *self.extra_sources]
         if self.cfg.uevents:
             try:

@@ -318,14 +318,14 @@ def test_with_the_agent_mofed_installs_and_the_chain_comes_back() -> None:
 
 def test_an_agent_started_while_mofed_crash_loops_sees_its_next_attempt() -> None:
     """MOFED refused once before the agent was up; its restarts reopen the lock file the
-    first attempt made (a flock: no inotify event). The storage guard reads the lock
-    table every 0.5 s while that lock file exists, the flag is absent and the chain is
-    loaded, so the next attempt finds the chain out.
+    first attempt made (a flock: no inotify event). The storage guard watches the lock
+    file's openings (``Needs.opens``): the opening wakes a pass, which finds the flock
+    (or looks again for 0.5 s), so the next attempt finds the chain out.
 
-    It does not tell the poll apart: with the poll disabled it passed too (3 of 3 runs,
-    also with the resync at an hour and the agent left quiet 5 s first), because other
-    timed passes of the agent in this state (a guard's wake_at, seconds apart) fell in
-    the attempt's 1.7 s. The poll's own test: tests/test_storage_agent.py."""
+    Without the wake (the FileWatch given no ``opens``) this fails: MOFED never installs
+    (2026-11-28, once; the lease beats no longer being full passes, nothing else wakes
+    the agent in the attempt's 1.7 s). The wake's own tests: tests/test_storage_agent.py,
+    tests/test_events.py."""
     row = replay_storage(with_agent=True, agent_late=True)
     assert row["agent_started_after"] == 1 and not row["attempts"][0]["installed"], row
     assert row["mofed_installed"], row
