@@ -119,7 +119,8 @@ class NpdFiles:
                 stale = ", ".join(sorted(self._stale))
                 raise NodeagentError(f"withheld: {stale} could be neither written nor removed")
             text = heartbeat_text(self.clock(), self.boot)
-            self.host.write_atomic(f"{self.dir}/heartbeat", text.encode())
+            # Not fsynced: stamped with the boot (void after a reboot), renewed every beat.
+            self.host.write_atomic(f"{self.dir}/heartbeat", text.encode(), durable=False)
         except (OSError, NodeagentError):
             self._withdraw("heartbeat")  # not renewed: none rather than one going stale
             raise

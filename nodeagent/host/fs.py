@@ -433,9 +433,13 @@ class HostRoot:
         mode: int = 0o644,
         *,
         commit: Callable[[], bool] | None = None,
+        durable: bool = True,
     ) -> bool:
         """Temp file, fsync, rename into place. ``commit``, when given, is asked last, after
-        the fsync and right before the rename: False leaves the old file (False returned)."""
+        the fsync and right before the rename: False leaves the old file (False returned).
+        ``durable=False`` skips both fsyncs, for a file that means nothing after a reboot
+        (a lease or heartbeat stamped with the boot's id and clock): readers still see the
+        old file or the new one whole, and the page cache outlives the writer's crash."""
         parent, _, name = rel.strip("/").rpartition("/")
         dfd = self.open_dir(parent, create=True)
         try:
@@ -458,7 +462,8 @@ class HostRoot:
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-                os.fsync(fd)
+                if durable:
+                    os.fsync(fd)
             except BaseException:
                 os.close(fd)
                 with contextlib.suppress(OSError):
@@ -469,8 +474,9 @@ class HostRoot:
                 os.unlink(tmp, dir_fd=dfd)
                 return False
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            with contextlib.suppress(OSError):
-                os.fsync(dfd)
+            if durable:
+                with contextlib.suppress(OSError):
+                    os.fsync(dfd)
             return True
         finally:
             os.close(dfd)

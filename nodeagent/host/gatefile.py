@@ -166,7 +166,11 @@ class GateFiles:
             "boot_id": self.boot(),
             "pid": os.getpid(),
         }
-        return self.host.write_atomic(self.rel(guard), dumps(doc), commit=still_fresh)
+        # Not fsynced: a lease is void after a reboot (another boot_id), and it is renewed
+        # every RENEW_S (an fsync each time was most of a beat's CPU on a disk).
+        return self.host.write_atomic(
+            self.rel(guard), dumps(doc), commit=still_fresh, durable=False
+        )
 
     def publish(
         self,

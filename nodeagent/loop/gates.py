@@ -88,10 +88,12 @@ class Gates:
             self.withdraw([g for g in self.stuck if g not in self.published])
         if not self.published:
             return
-        if not vouches or not self.still_fresh():
+        if not vouches:
             self.withdraw(self.gates)
             self.published = []
             return
+        # Freshness is asked once, right before each file's rename (``publish``): a stale
+        # decision writes nothing and withdraws its gate there.
         self.published = self.publish(self.published)
 
     def needs_beat(self) -> bool:
