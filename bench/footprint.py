@@ -12,11 +12,20 @@ runs as deployed: ``nodeagent run`` with metrics on, observe mode, a pass every
 0.1 s (300x the default rate) and MOFED's ready flag toggled every 0.5 s, so
 every pass re-reads the whole node and decisions and records keep flowing.
 RSS is sampled from ``nodeagent_process_resident_memory_bytes`` once a second.
+
+Then the CPU of one pass on the same node (issue 50): an agent built in this
+process (observe mode, as ``nodeagent run`` builds it, metrics off) makes
+``--passes`` passes one after another, each timed with ``time.thread_time``
+(the loop thread's CPU, not the wall clock), MOFED's ready flag present (the
+gate open: the pass observes, decides and publishes); p50/p99/max printed.
+``--profile`` adds where a pass's CPU goes (cProfile, by cumulative time).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import shlex
 import subprocess
 import sys
@@ -24,6 +33,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from statistics import quantiles
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,12 +52,55 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def pass_cpu(modules: int, dep_lines: int, passes: int, profile: bool) -> None:
+    """Each pass's CPU (the loop thread's), on a freshly built node, gate open."""
+    from nodeagent.agent import Agent
+    from nodeagent.config import Config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        loaded, lines = build_node(root, modules, dep_lines)
+        (root / FLAG).parent.mkdir(parents=True, exist_ok=True)
+        (root / FLAG).touch()
+        agent = Agent(Config(host_root=str(root), mode="observe", uevents=False))
+        try:
+            agent.run_pass(["start"])  # the first pass parses the .ko files
+            prof = cProfile.Profile() if profile else None
+            cpu: list[float] = []
+            for _ in range(passes):
+                t0 = time.thread_time()
+                if prof:
+                    prof.enable()
+                agent.run_pass(["bench"])
+                if prof:
+                    prof.disable()
+                cpu.append(time.thread_time() - t0)
+            gate = agent.gates.published
+        finally:
+            agent.close()
+    q = quantiles(cpu, n=100)
+    print(
+        f"pass CPU ({passes} passes, {loaded} loaded modules, modules.dep {lines} lines, "
+        f"gates published {gate}): p50 {q[49] * 1000:.2f} ms  p99 {q[98] * 1000:.2f} ms  "
+        f"max {max(cpu) * 1000:.2f} ms"
+    )
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--modules", type=int, default=250)
     ap.add_argument("--dep-lines", type=int, default=6000)
+    ap.add_argument("--passes", type=int, default=300, help="passes timed for the pass CPU")
+    ap.add_argument("--profile", action="store_true", help="where a pass's CPU goes")
+    ap.add_argument("--only-pass-cpu", action="store_true", help="skip the 60 s daemon run")
     args = ap.parse_args()
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    if args.only_pass_cpu:
+        pass_cpu(args.modules, args.dep_lines, args.passes, args.profile)
+        return 0
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -94,7 +147,6 @@ def main() -> int:
         1, last["nodeagent_pass_duration_seconds_count"]
     )
     mib = 2**20
-    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(
         f"node: {loaded} loaded modules in sysfs, modules.dep {dep_lines} lines per tree; "
         f"{args.seconds:.0f} s, ready flag toggled every 0.5 s, resync 0.1 s"
@@ -105,6 +157,7 @@ def main() -> int:
         f"RSS (nodeagent_process_resident_memory_bytes): start {start:.1f} MiB, "
         f"max {max(rss) / mib:.1f} MiB, last {rss[-1] / mib:.1f} MiB"
     )
+    pass_cpu(args.modules, args.dep_lines, args.passes, args.profile)
     return 0
 
 
