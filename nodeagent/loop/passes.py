@@ -8,9 +8,9 @@ safety, and it is decided here and nowhere else:
    fails further on, and recorded after the protective steps (rule 6).
 2. **Observe, then decide**, once: the whole node as the guards declared it,
    every guard from the same snapshot.
-3. **Protective first.** A closed gate's file is withdrawn, each guard's host
-   side takes its protective step (the hold closes), and an urgent plan
-   starts, before memory, status, timeline, any other plan or exporter
+3. **Protective first.** Each guard's host side takes its protective step
+   (the hold's responder lease closes), a closed gate's file is withdrawn,
+   and an urgent plan starts, before memory, status, timeline, any other plan or exporter
    (``host/gatefile.py``: the order).
 4. **Write-ahead.** What the pass learned (e.g. "a MOFED restart was seen,
    that flag is stale") is on disk before any other plan starts, so dying
@@ -38,8 +38,8 @@ safety, and it is decided here and nowhere else:
 7. **Bookkeeping**: memory again, the host sides' (the VF snapshot), the
    exporters that publish from the verdicts (labels, NPD), the status.
 8. **A pass whose bookkeeping failed takes its gates back** before it ends: a
-   failure of memory or status withdraws what step 5 published and the sides
-   follow (the hold closes). Without its memory a restarted agent could take
+   failure of memory or status closes the sides (the hold first), then
+   withdraws what step 5 published. Without its memory a restarted agent could take
    a stale ready flag for a fresh one; without status the operator cannot
    see why a gate is open. A held load let go in between was let go on a
    sound, durable decision.
@@ -170,13 +170,14 @@ class Passes:
         # 2. Observe, then decide.
         snap = self.observer.observe(now)
         rec = self.reconciler.decide(snap, self.memory)
-        # 3. Protective first.
-        books.problems += self.gates.withdraw(
-            [g for g in self.reconciler.gates if not rec.verdicts[g].ok]
-        )
+        # 3. Protective first: what stands between loaders and the kernel closes (the
+        # hold's responder lease), then the gate files a reader asks go.
         for name, side in self.sides.items():
             if name in rec.verdicts:
                 side.protect(rec.verdicts[name])
+        books.problems += self.gates.withdraw(
+            [g for g in self.reconciler.gates if not rec.verdicts[g].ok]
+        )
         if self.enforce:
             self.workers.submit(rec.plans, only_urgent=True, decided_at=now)
         # 4. Write-ahead, then the other plans.
@@ -241,9 +242,9 @@ class Passes:
         books.write_status(self.status(snap, rec.verdicts, outcomes))
         # 8. A pass whose bookkeeping failed takes back the gates it published.
         if published and not books.can_vouch:
+            self._follow_gates(rec.verdicts, [], vouches)  # the hold closes first
             books.problems += self.gates.withdraw(published)
             self.gates.published = []
-            self._follow_gates(rec.verdicts, [], vouches)
         with self._done:
             self.count += 1
             self._done.notify_all()
