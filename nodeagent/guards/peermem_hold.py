@@ -14,11 +14,15 @@ stalled agent stalls no open: the gate reaches it as a lease this side writes at
 each change and renews at each heartbeat (``beat``). If that process dies, the
 agent's copy of the group is closed at once (the kernel lets what was pending
 go) and the next pass starts a new group, process and marks, at most
-``RESTARTS_MAX`` times in ``RESTART_WINDOW_S``. That new one starts off the loop
-thread (its wait for the process to answer may take ``READY_TIMEOUT_S``, and
-no pass may wait on it): the side holds nothing meanwhile (status
-``"responder": "starting"``), and a later pass adopts it once it answered, or
-counts its failure and starts another.
+``RESTARTS_MAX`` times in ``RESTART_WINDOW_S``. Every responder, the first
+included, starts off the loop thread (its wait for the process to answer may
+take ``READY_TIMEOUT_S``, and no pass may wait on it): the side holds nothing
+meanwhile (status ``"state": "starting"``), and a later pass adopts it once it
+answered. A start that failed is tried again with backoff (``START_RETRY_S``
+doubling to ``START_RETRY_MAX_S``; ``"state": "retrying: <why>"``); past the
+restart window's limit the hold is off until the agent restarts (``"state":
+"off after N restarts: <why>"``). Whenever the hold is configured and not
+holding, every pass says so as a problem of its status.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ log = logging.getLogger("nodeagent")
 
 RESTARTS_MAX = 5  # new responders after a death, within the window; then the hold stays off
 RESTART_WINDOW_S = 600.0
+# A start that failed (the kernel refused a group, the responder never answered, nothing
+# could be marked) is tried again this long after, doubled at each failure in a row up to
+# START_RETRY_MAX_S, never given up: a hold configured and not holding is a problem said
+# at every pass meanwhile (``problems``).
+START_RETRY_S = 1.0
+START_RETRY_MAX_S = 60.0
 # How long stop waits for a new responder still starting to be killed and closed (its
 # process is killed at once: this is its reaping and its descriptors closing).
 CANCEL_TIMEOUT_S = 5.0
@@ -141,23 +151,90 @@ class PeermemHold(GuardSide):
         self.release = False  # the last pass let held loads go without a gate (release_held)
         self.restarts: list[float] = []  # when a dead responder was replaced (the window's)
         self.replacement: _Replacement | None = None  # a new responder starting, off the loop
+        # Starts that failed in a row (the backoff's exponent), the last one's reason, and
+        # when the next is due (a timer wakes the loop then).
+        self.start_failures = 0
+        self.last_failure: str | None = None
+        self.retry_at: float | None = None
+        self._retry_timer: threading.Timer | None = None
+        self.off: str | None = None  # why the hold stays off until the agent restarts
 
     # -- the loop's hooks -------------------------------------------------------
 
-    def start(self) -> None:
-        """Mark the filesystems of hold_roots and start the responder (before the first pass).
-        Imports inside: a tool that never holds (``check``) loads no fanotify or /proc code."""
-        pol, ctx = self.ctx.policy, self.ctx
-        if not ctx.enforce or pol.hold_loads != "fanotify":
-            return
-        self._start_hold()
+    @property
+    def configured(self) -> bool:
+        return self.ctx.enforce and self.ctx.policy.hold_loads == "fanotify"
 
-    def _start_hold(self) -> None:
-        """At agent start, on the loop thread (before the first pass)."""
-        prepared = self._prepare()
-        if prepared is not None:
-            group, host, run = prepared
-            self._adopt(group, host, run())
+    def start(self) -> None:
+        """Mark the filesystems of hold_roots and start the responder, off the loop thread:
+        the first pass and its protective steps wait on nothing; a later pass adopts it.
+        A stepped host (the simulator: ``threaded=False``) starts it here, before the first
+        pass. Imports inside: a tool that never holds (``check``) loads no fanotify or
+        /proc code."""
+        if not self.configured:
+            return
+        host = self.ctx.ports.hold_host
+        if host is not None and not host.threaded:
+            prepared = self._prepare()
+            if prepared is not None:
+                group, host, run = prepared
+                self._adopt(group, host, run())
+            return
+        self._start_apart()
+
+    def _start_apart(self) -> None:
+        """A new group, process and marks, started off the loop thread (``_Replacement``);
+        a group the kernel refuses is a failed start (tried again)."""
+        replacement = _Replacement(self.ctx.wake)
+        prepared = self._prepare(track=replacement.track)
+        if prepared is None:
+            self._start_failed("the kernel refused a fanotify group")
+            return
+        replacement.begin(*prepared)
+        self.replacement = replacement
+
+    def _start_failed(self, why: str) -> None:
+        """Try again after the backoff: a timer wakes the loop when it is due."""
+        self.start_failures += 1
+        self.last_failure = why
+        delay = min(START_RETRY_S * 2 ** (self.start_failures - 1), START_RETRY_MAX_S)
+        self.retry_at = self.ctx.clock() + delay
+        timer = threading.Timer(delay, self.ctx.wake, args=("hold start due",))
+        timer.daemon = True
+        timer.start()
+        self._retry_timer = timer
+
+    def _retry_if_due(self) -> None:
+        if self.retry_at is None or self.ctx.clock() < self.retry_at:
+            return
+        self.retry_at, self._retry_timer = None, None
+        self._start_apart()
+
+    def _cancel_retry(self) -> None:
+        timer, self._retry_timer, self.retry_at = self._retry_timer, None, None
+        if timer is not None:
+            timer.cancel()
+
+    @property
+    def state(self) -> str:
+        """One phrase: starting, running, retrying: <why>, off after N restarts: <why>."""
+        if self.off is not None:
+            return self.off
+        if self.hold is not None and self.hold.alive():
+            return "running"
+        if self.hold is not None:
+            return "stopped: its responder no longer answers"
+        if self.retry_at is not None and self.last_failure:
+            return f"retrying: {self.last_failure}"
+        if self.replacement is not None:
+            return "starting"
+        return "not started"
+
+    def problems(self) -> list[str]:
+        """Configured and not holding: said at every pass until it holds."""
+        if not self.configured or (self.hold is not None and self.hold.alive()):
+            return []
+        return [f"peermem.hold_loads is configured and not holding any load: {self.state}"]
 
     def _prepare(
         self, track: Callable[[ResponderProcess], None] = lambda responder: None
@@ -274,6 +351,7 @@ class PeermemHold(GuardSide):
         self._adopt_replacement()
         self._record_holds()
         self._replace_dead_responder()
+        self._retry_if_due()
 
     def needs_beat(self) -> bool:
         return self.hold is not None and self.gate_open
@@ -287,8 +365,9 @@ class PeermemHold(GuardSide):
 
     def status(self) -> Any:
         if self.hold is None:
-            return self._starting_status() if self.replacement is not None else None
+            return self._starting_status() if self.configured else None
         return {
+            "state": self.state,
             "marked": self.marked,
             "since": self.since,
             "gate_open": self.gate_open,
@@ -326,6 +405,7 @@ class PeermemHold(GuardSide):
         }
 
     def stop(self) -> None:
+        self._cancel_retry()
         self._cancel_replacement()
         if self.containers is not None:
             self.containers.stop()
@@ -334,6 +414,7 @@ class PeermemHold(GuardSide):
             self._record_holds()
 
     def close(self) -> None:
+        self._cancel_retry()
         self._cancel_replacement()  # (done by stop already)
 
     # -- its own --------------------------------------------------------------
@@ -366,43 +447,31 @@ class PeermemHold(GuardSide):
             return
         self._record_holds()  # its death notice, and what it said before
         self._let_go("responder died")
-        self._replace(f"the responder process {died}", died=died)
+        self._replace(died)
 
-    def _replace(self, why: str, died: str | None) -> None:
-        """Start a new responder off the loop thread (``_Replacement``), counted in the
-        window; past ``RESTARTS_MAX`` there, the hold stays off, said once. ``died``: how
-        the last one ended (else the last new one did not start)."""
+    def _replace(self, died: str) -> None:
+        """Start a new responder off the loop thread after a death, counted in the window;
+        past ``RESTARTS_MAX`` there, the hold stays off, said once (and by ``state``)."""
         now = self.ctx.clock()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
         if len(self.restarts) >= RESTARTS_MAX:
-            if died is not None:
-                problem = (
-                    f"peermem.hold_loads: the responder process died {len(self.restarts) + 1} "
-                    f"times in {RESTART_WINDOW_S:g}s (last: {died}); not holding any load "
-                    "until the agent restarts"
-                )
-            else:
-                problem = (
-                    f"peermem.hold_loads: the responder was replaced {len(self.restarts)} times "
-                    f"in {RESTART_WINDOW_S:g}s and the last new one did not start ({why}); not "
-                    "holding any load until the agent restarts"
-                )
+            self.off = f"off after {len(self.restarts)} restarts: the responder process {died}"
+            problem = (
+                f"peermem.hold_loads: the responder process died {len(self.restarts) + 1} "
+                f"times in {RESTART_WINDOW_S:g}s (last: {died}); not holding any load "
+                "until the agent restarts"
+            )
             log.error("%s", problem)
             self.ctx.record({"kind": "state-problem", "problem": problem})
             return
         self.restarts.append(now)
-        log.warning("peermem hold: %s; starting a new responder", why)
-        replacement = _Replacement(self.ctx.wake)
-        prepared = self._prepare(track=replacement.track)
-        if prepared is None:
-            return  # no group: recorded, the hold stays off (as at start)
-        replacement.begin(*prepared)
-        self.replacement = replacement
+        log.warning("peermem hold: the responder process %s; starting a new responder", died)
+        self._start_apart()
         self.ctx.wake("hold restarting")  # a pass now: its status says it is starting
 
     def _adopt_replacement(self) -> None:
         """A new responder that answered becomes the hold (told this pass's gate); one that
-        did not is counted, its problems recorded, and another started."""
+        did not is a failed start, tried again after the backoff."""
         replacement = self.replacement
         started = replacement.take() if replacement is not None else None
         if replacement is None or started is None:
@@ -410,10 +479,11 @@ class PeermemHold(GuardSide):
         self.replacement = None
         assert replacement.group is not None and replacement.host is not None
         if self._adopt(replacement.group, replacement.host, started):
+            self.start_failures, self.last_failure = 0, None
             return
         last = started[2][-1] if started[2] else "nothing said"
         why = last.removeprefix("peermem.hold_loads: ").removesuffix("; not holding any load")
-        self._replace(why, died=None)
+        self._start_failed(why)
 
     def _cancel_replacement(self) -> None:
         replacement, self.replacement = self.replacement, None
@@ -421,15 +491,18 @@ class PeermemHold(GuardSide):
             log.warning("peermem hold: a new responder still starting after %gs", CANCEL_TIMEOUT_S)
 
     def _starting_status(self) -> dict[str, Any]:
-        """While a new responder starts: nothing marked, nothing held."""
+        """Configured and not holding (starting, retrying, off): nothing marked, nothing
+        held, and the state says why."""
         return {
+            "state": self.state,
+            "start_failures": self.start_failures,
             "marked": [],
             "since": None,
             "gate_open": self.gate_open,
             "queue": "unlimited" if self.unlimited_queue else "bounded",
             "held": [],
             "counts": {},
-            "responder": "starting",
+            "responder": "starting" if self.replacement is not None else "none",
             "responder_pid": None,
             "responder_restarts": len(self.restarts),
             "ignore_marks": None,

@@ -23,6 +23,8 @@ gate. A guard that needs more from the node brings it here, through one
   its gate (the hold's responder apart) renews it here, and a stuck loop renews
   nothing;
 - ``status()``: its part of ``status.json`` under ``status_key``;
+- ``problems()``: what is wrong with it now, said in every pass's status (e.g. a
+  hold configured and not holding); never held against a gate;
 - ``telemetry``: its record-fed metric families (a class attribute: the
   exporter registers them at start, whether the side starts anything or not).
 
@@ -105,6 +107,9 @@ class GuardSide:
     def beat(self, published: bool, vouches: Callable[[], bool]) -> None:
         """Between passes, after the gates' leases: ``published``, this guard's gate file
         is still open; ``vouches()``, the last pass's decision still stands."""
+
+    def problems(self) -> Sequence[str]:
+        return ()
 
     def status(self) -> Any:
         return None

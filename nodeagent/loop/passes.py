@@ -238,6 +238,9 @@ class Passes:
             side.after_memory(memory)
         for problem in self.exporters.publish(rec.verdicts):  # never held against a gate
             books.problem(problem)
+        for side in self.sides.values():
+            for problem in side.problems():
+                books.problem(problem)
         books.flush()  # the pass's records so far, in one write, before its status
         books.write_status(self.status(snap, rec.verdicts, outcomes))
         # 8. A pass whose bookkeeping failed takes back the gates it published.
