@@ -1,6 +1,6 @@
 """The fanotify hold: ready flag -> a held peermem load goes on; and what the mark costs.
 
-    .venv/bin/python bench/hold_latency.py [--trials 50] [--opens 100000]
+    .venv/bin/python bench/hold_latency.py [--trials 50] [--opens 100000] [--only compile]
 
 1. The real agent loop (enforce mode, real inotify, ``[peermem] hold_loads =
    "fanotify"``) on a simulated node whose GPU driver root is a tmpfs marked
@@ -13,13 +13,17 @@
    files of the marked filesystem, timed without the mark and with it, the
    responder answering every open in a thread of this process or in a process
    of its own (as the agent runs it), alternating, in one run.
-3. A real compile: ``gcc -c`` of ``--objects`` files, each including
-   ``--headers`` headers, sources and headers on the marked filesystem, one
-   ``gcc`` after another from one shell (as kbuild does per object), without
-   the mark (the responder apart, as the agent runs it) answering every open
-   (the hold before issue 39), and with its ignore marks; alternating, each
-   arm first in turn after one warm-up build, ``--rounds`` rounds; the
-   medians' ratio and the events the responder answered.
+3. A compile under the mark, each against the same build unmarked, the arms
+   alternating (each first in turn, after one warm-up build), ``--rounds``
+   rounds, the medians' ratio and the events the responder answered (a fresh
+   group and responder each round: every first open paid again):
+   - a real out-of-tree kernel module built against real kernel headers, as a
+     driver container builds one: the headers the real-kernel suite downloads
+     (``tests/realkernel/setup.py``, ``~/.cache/nodeagent-realkernel``) copied
+     onto the marked filesystem, ``make -C <headers> M=<dir> modules``;
+   - ``gcc -c`` of ``--objects`` files, each including ``--headers`` of
+     ``--pool`` headers, one ``gcc`` after another from one shell (as kbuild
+     does per object): many distinct files, each opened first once.
 4. The same opens (``--busy-opens`` of them) while this process (standing for
    the agent) is busy in Python in another thread, holding the GIL as a long
    pass does: the thread responder waits for the GIL at each open, the
@@ -31,7 +35,9 @@ Needs root (mount, fanotify) and host PIDs; says so and exits 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import shlex
 import shutil
 import statistics
@@ -308,20 +314,27 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def compile_tree(top: Path, objects: int, headers: int) -> Path:
-    """``inc/`` with ``headers`` headers, ``src/`` with ``objects`` sources each including
-    all of them, ``obj/`` for the objects, and ``build.sh`` compiling them in turn."""
+def compile_tree(top: Path, objects: int, headers: int, pool: int) -> tuple[Path, int]:
+    """``inc/`` with ``pool`` headers, ``src/`` with ``objects`` sources each including
+    ``headers`` of them (a fixed sample per object: across objects, most of the pool),
+    ``obj/`` for the objects, and ``build.sh`` compiling them in turn; (script, how many
+    distinct headers some source includes)."""
     inc, src, obj = top / "inc", top / "src", top / "obj"
     for d in (inc, src, obj):
         d.mkdir(parents=True, exist_ok=True)
-    for i in range(headers):
+    for i in range(pool):
         (inc / f"h{i}.h").write_text(
             f"#ifndef H{i}\n#define H{i}\nstruct s{i} {{ int a; long b; }};\n"
             f"static inline int f{i}(int x) {{ return x * {i} + 1; }}\n#endif\n"
         )
-    includes = "".join(f'#include "h{i}.h"\n' for i in range(headers))
+    used: set[int] = set()
     for j in range(objects):
-        (src / f"o{j}.c").write_text(f"{includes}int g{j}(int x) {{ return f0(x) + {j}; }}\n")
+        picked = sorted(random.Random(j).sample(range(pool), min(headers, pool)))
+        used.update(picked)
+        includes = "".join(f'#include "h{i}.h"\n' for i in picked)
+        (src / f"o{j}.c").write_text(
+            f"{includes}int g{j}(int x) {{ return f{picked[0]}(x) + {j}; }}\n"
+        )
     script = top / "build.sh"
     script.write_text(
         "set -e\n"
@@ -329,30 +342,90 @@ def compile_tree(top: Path, objects: int, headers: int) -> Path:
         f'  gcc -O0 -c -I "{inc}" "$f" -o "{obj}/$(basename "$f" .c).o"\n'
         "done\n"
     )
-    return script
+    return script, len(used)
 
 
-def compile_cost(
-    root: Path, objects: int, headers: int, rounds: int
-) -> dict[str, tuple[list[float], list[int]]]:
+# An out-of-tree module as a driver container builds one (nvidia-peermem is three .c files
+# against the kernel's headers): several sources, each including a spread of the kernel's
+# headers, built by kbuild (make -C <headers> M=<dir> modules).
+KMOD_HEADERS = (
+    "linux/module.h linux/slab.h linux/pci.h linux/netdevice.h linux/fs.h",
+    "linux/cdev.h linux/interrupt.h linux/dma-mapping.h linux/mm.h linux/scatterlist.h",
+    "linux/device.h linux/uaccess.h linux/workqueue.h linux/mmu_notifier.h linux/pagemap.h",
+    "linux/skbuff.h linux/etherdevice.h linux/ethtool.h linux/if_vlan.h linux/vmalloc.h",
+    "linux/hugetlb.h linux/blkdev.h linux/timer.h linux/kthread.h linux/crypto.h",
+    "linux/random.h linux/highmem.h linux/sched/mm.h linux/seq_file.h linux/proc_fs.h",
+)
+KMOD_NAME = "bench_peer"
+
+
+def kernel_headers() -> tuple[str, Path] | None:
+    """(kver, the extracted headers' root) the real-kernel suite downloaded
+    (``tests/realkernel/setup.py``: ``~/.cache/nodeagent-realkernel``), or None."""
+    cache = Path(os.environ.get("NODEAGENT_REALKERNEL_CACHE", "~/.cache/nodeagent-realkernel"))
+    for ready in sorted(cache.expanduser().glob("k/*/ready.json"), reverse=True):
+        info = json.loads(ready.read_text())
+        hdr = ready.parent / "hdr"
+        if (Path(info["headers"]) / "Makefile").is_file() and hdr.is_dir():
+            return str(info["kver"]), hdr
+    return None
+
+
+def kmod_tree(top: Path, kver: str, hdr: Path) -> tuple[Path, int]:
+    """The kernel's headers (``linux-headers-<kver>``, its ``-common`` and
+    ``linux-kbuild``) copied onto the marked filesystem, and the module's sources
+    beside them; (the build script, how many files the headers' tree holds)."""
+    dest = top / "hdr"
+    shutil.copytree(hdr, dest, symlinks=True)
+    headers = dest / "usr/src" / f"linux-headers-{kver}"
+    makefile = headers / "Makefile"  # an include of -common's Makefile by absolute path
+    makefile.write_text(
+        makefile.read_text().replace(str(hdr), str(dest)),
+    )
+    mod = top / "kmod"
+    mod.mkdir()
+    objs = []
+    for k, names in enumerate(KMOD_HEADERS):
+        includes = "".join(f"#include <{h}>\n" for h in names.split())
+        body = f"int {KMOD_NAME}_part{k}(void) {{ return {k}; }}\n"
+        if k == 0:
+            body += (
+                f"static int __init m_init(void) {{ return {KMOD_NAME}_part0(); }}\n"
+                "static void __exit m_exit(void) {}\n"
+                'module_init(m_init);\nmodule_exit(m_exit);\nMODULE_LICENSE("GPL");\n'
+            )
+        else:
+            body = f"int {KMOD_NAME}_part{k}(void);\n" + body
+        (mod / f"part{k}.c").write_text(includes + body)
+        objs.append(f"part{k}.o")
+    (mod / "Kbuild").write_text(f"obj-m := {KMOD_NAME}.o\n{KMOD_NAME}-y := {' '.join(objs)}\n")
+    script = top / "kmod.sh"
+    script.write_text(
+        "set -e\n"
+        f'make -s -j1 -C "{headers}" M="{mod}" clean >/dev/null\n'
+        f'make -s -j1 -C "{headers}" M="{mod}" modules >"{top}/kmod.log" 2>&1\n'
+        f'test -f "{mod}/{KMOD_NAME}.ko"\n'
+    )
+    files = sum(len(f) for _, _, f in os.walk(dest))
+    return script, files
+
+
+def compile_cost(top: Path, script: Path, rounds: int) -> dict[str, tuple[list[float], list[int]]]:
     """Per arm: seconds per round, and the events the responder answered per round. The
-    arms alternate in each round: no mark; the mark with the responder answering every
-    open (ignore marks off: the hold before issue 39); the mark with ignore marks (what
-    this kernel gives)."""
-    top = root / "run/nvidia/driver/usr/src/bench"
-    script = compile_tree(top, objects, headers)
+    arms alternate, each first in turn, after one warm-up build: no mark; the mark as the
+    agent runs it (the responder apart, ignore marks as this kernel gives them)."""
     budget, _ = descriptor_budget()
     out: dict[str, tuple[list[float], list[int]]] = {}
     per_event: dict[str, list[float]] = {}
-    plan = [("no mark", None), ("mark, every open", "off"), ("mark", "auto")]
-    subprocess.run(["sh", str(script)], check=True)  # a warm-up: caches, the objects' files
+    plan = ["no mark", "mark"]
+    subprocess.run(["sh", str(script)], check=True)  # a warm-up: caches, the outputs' files
     for r in range(rounds):
-        for arm, ignore in plan[r % 3 :] + plan[: r % 3]:  # each arm first in turn
+        for arm in plan[r % 2 :] + plan[: r % 2]:
             times, events = out.setdefault(arm, ([], []))
             responder = None
-            if ignore is not None:
+            if arm != "no mark":
                 group = FanotifyGroup()
-                responder = spawner(group, budget_s=60, ignore_marks=ignore)(budget)
+                responder = spawner(group, budget_s=60, ignore_marks="auto")(budget)
                 group.mark_filesystem(str(top))
             try:
                 cpu0 = cpu_seconds(responder.pid) if responder is not None else 0.0
@@ -367,21 +440,66 @@ def compile_cost(
                     events.append(n)
                     per_event.setdefault(arm, []).append(cpu / max(n, 1))
                     status = responder.ignore_status() or {}
-                    out.setdefault(f"{arm}: ignore marks {status.get('mode')}", ([], []))
+                    out.setdefault(f"ignore marks {status.get('mode')}", ([], []))
     for arm, xs in per_event.items():
         us = statistics.median(xs) * 1e6
         out.setdefault(f"{arm}: the responder's CPU per event {us:.0f} us", ([], []))
     return out
 
 
+def print_compile(title: str, arms: dict[str, tuple[list[float], list[int]]]) -> None:
+    base = statistics.median(arms["no mark"][0])
+    print(title)
+    for arm, (times, events) in arms.items():
+        if not times:
+            print(f"  ({arm})")
+            continue
+        m = statistics.median(times)
+        ev = f"{statistics.median(events):8.0f} events" if events else " " * 15
+        each = " ".join(f"{t:.2f}" for t in times)
+        print(f"  {arm:<13} {m:7.2f} s  ratio {m / base:.3f}  {ev}  (rounds: {each})")
+
+
+def compiles(marked: Path, args: argparse.Namespace) -> None:
+    """The real module build, then the many-headers gcc load, each on the marked tmpfs."""
+    found = kernel_headers()
+    if found is None:
+        print(
+            "kernel module build: no headers (run tests/realkernel/setup.py first: "
+            "python -m tests.realkernel.setup); not measured"
+        )
+    else:
+        kver, hdr = found
+        top = marked / "usr/src/kmod-bench"
+        script, files = kmod_tree(top, kver, hdr)
+        arms = compile_cost(top, script, args.rounds)
+        print_compile(
+            f"out-of-tree module ({len(KMOD_HEADERS)} sources) against linux-headers-{kver} "
+            f"({files} files) on the marked filesystem: make -C <headers> M=<dir> modules "
+            f"(after make clean), {args.rounds} rounds alternating (medians):",
+            arms,
+        )
+        shutil.rmtree(top, ignore_errors=True)
+    top = marked / "usr/src/bench"
+    script, used = compile_tree(top, args.objects, args.headers, args.pool)
+    arms = compile_cost(top, script, args.rounds)
+    print_compile(
+        f"gcc -c of {args.objects} objects, each including {args.headers} of {args.pool} "
+        f"headers ({used} distinct in all), on the marked filesystem, one gcc after another, "
+        f"{args.rounds} rounds alternating (medians):",
+        arms,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--opens", type=int, default=100_000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--busy-opens", type=int, default=2_000)
-    ap.add_argument("--objects", type=int, default=100)
-    ap.add_argument("--headers", type=int, default=300)
+    ap.add_argument("--objects", type=int, default=40)
+    ap.add_argument("--headers", type=int, default=400)
+    ap.add_argument("--pool", type=int, default=1500)
     ap.add_argument("--only", choices=("latency", "opens", "compile"), default=None)
     args = ap.parse_args()
     print(f"# command: {shlex.join([sys.executable, *sys.argv])}")
@@ -412,21 +530,7 @@ def main() -> int:
                 f"p99 {pct(cms, 0.99):.2f} ms"
             )
         if args.only in (None, "compile"):
-            arms = compile_cost(root, args.objects, args.headers, args.rounds)
-            base = statistics.median(arms["no mark"][0])
-            print(
-                f"gcc -c of {args.objects} objects x {args.headers} headers on the marked "
-                f"filesystem, one gcc after another, {args.rounds} rounds alternating "
-                "(medians):"
-            )
-            for arm, (times, events) in arms.items():
-                if not times:
-                    print(f"  ({arm})")
-                    continue
-                m = statistics.median(times)
-                ev = f"{statistics.median(events):8.0f} events" if events else " " * 15
-                each = " ".join(f"{t:.2f}" for t in times)
-                print(f"  {arm:<18} {m:7.2f} s  ratio {m / base:.3f}  {ev}  (rounds: {each})")
+            compiles(root / "run/nvidia/driver", args)
         if args.only not in (None, "opens"):
             return 0
         arms = mark_cost(root, args.opens, args.rounds, args.busy_opens)

@@ -31,7 +31,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from nodeagent.core.hold import MODULE_HEAD_BYTES, could_be_module
 
@@ -82,9 +82,9 @@ def fstatfs_type(libc: Any, fd: int) -> int | None:
     return int(ctypes.c_long.from_buffer(buf).value)  # f_type comes first
 
 
-@dataclass(frozen=True)
-class PermEvent:
-    """One permission event: the opened file's descriptor (ours to close) and the opener."""
+class PermEvent(NamedTuple):
+    """One permission event: the opened file's descriptor (ours to close) and the opener.
+    A tuple: one is made for every event, and a frozen dataclass costs twice as much."""
 
     fd: int  # FAN_NOFD when the kernel could not give one
     pid: int  # the opener, in the listener's pid namespace (0: not visible from here)
@@ -303,6 +303,8 @@ PINNED_MAX = 16384
 
 
 IGNORE_MODES = ("auto", "evictable", "pinned", "off")
+_IGNORE_PINNED = FAN_MARK_ADD | FAN_MARK_IGNORED_MASK
+_IGNORE_EVICTABLE = _IGNORE_PINNED | FAN_MARK_EVICTABLE
 
 
 class IgnoreMarks:
@@ -367,7 +369,7 @@ class IgnoreMarks:
         evictable = self.mode == "evictable"
         if not evictable and self.added >= self.pinned_max:
             return
-        flags = FAN_MARK_ADD | FAN_MARK_IGNORED_MASK | (FAN_MARK_EVICTABLE if evictable else 0)
+        flags = _IGNORE_EVICTABLE if evictable else _IGNORE_PINNED
         if self._mark(flags, fd) == 0:
             self.added += 1
             return

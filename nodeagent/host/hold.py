@@ -397,9 +397,8 @@ class Responder:
         except Exception as exc:  # EMFILE/ENFILE: the kernel denied the event it could not
             self._fault(exc)  # give a descriptor for; nothing was read, nothing is pending
             events = []
-        with self._lock:
-            held = len(self._held)
-        self.peak_descriptors = max(self.peak_descriptors, held + len(events))
+        # (_held changes in this thread only: its length needs no lock here)
+        self.peak_descriptors = max(self.peak_descriptors, len(self._held) + len(events))
         for event in events:
             self._answering = event
             try:
@@ -432,6 +431,8 @@ class Responder:
         )
 
     def _timeout_ms(self) -> int | None:
+        if not self._bursts and not self._held:  # the usual case, once per event
+            return None
         dues = [b.last + self.burst_quiet_s for b in list(self._bursts.values())]
         with self._lock:
             if self._held:
@@ -468,6 +469,8 @@ class Responder:
     def _end_bursts(self, stopping: bool = False) -> None:
         """A notice for each burst that has been quiet for ``burst_quiet_s`` (each, when
         stopping)."""
+        if not self._bursts:
+            return
         now = self.clock()
         ended = [
             k for k, b in self._bursts.items() if stopping or now - b.last >= self.burst_quiet_s
@@ -562,6 +565,8 @@ class Responder:
 
     def _release(self, stopping: bool = False) -> None:
         """Answer held opens whose gate opened, budget ran out, or opener went away."""
+        if not self._held:  # (changed in this thread only)
+            return
         with self._lock:
             if not self._held:
                 return
