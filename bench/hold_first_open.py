@@ -1,13 +1,13 @@
 """What a file's first open costs under the hold's mark, step by step.
 
-    .venv/bin/python bench/hold_first_open.py [--files 3000] [--rounds 7]
+    .venv/bin/python bench/hold_first_open.py [--files 3000] [--rounds 7] [--compile]
 
 A tmpfs is marked ``FAN_MARK_FILESYSTEM`` + ``FAN_OPEN_PERM`` (the hold's group,
 ``host/fanotify.FanotifyGroup``) and holds ``--files`` distinct small files, as a
 build's headers are. An opener process opens each once (a first open each time:
 a fresh group per round, so no ignore mark is left from the last) and times it.
 
-1. **Per step**, a responder written out here step by step, in this process,
+1. **Per step** ("the bare steps"), a responder written out here step by step, in this process,
    timing each step of each event with ``perf_counter_ns``: the ``poll`` return
    to the ``read`` of the group, the parse, the ``readlink`` of the event's
    descriptor, the hold's name check (``core/hold.held_open``), the ``fstat``,
@@ -15,10 +15,13 @@ a fresh group per round, so no ignore mark is left from the last) and times it.
    ignore mark (``fanotify_mark`` through ctypes), the response ``write`` and
    the ``close`` of the descriptor. The same syscalls the responder makes, in
    the same order (``IgnoreMarks.add`` then ``respond``).
-2. **End to end**: the opener's time per first open with no mark, and with the
+2. **End to end**: the opener's time per first open with no mark, with the
    mark answered by the responder as the agent runs it (a process of its own,
-   ignore marks on: ``host/responder_apart.spawner``); arms alternate, each
-   first in turn, ``--rounds`` rounds, medians.
+   ignore marks on: ``host/responder_apart.spawner``), and answered by the bare
+   steps of 1; arms alternate, each first in turn, ``--rounds`` rounds, medians.
+3. ``--compile``: the same three arms around ``bench/hold_latency.py``'s gcc
+   load (40 objects, each including 400 of 1500 headers): how close the
+   responder is to the least any responder making these syscalls costs.
 
 Needs root (mount, fanotify); says so and exits 0 otherwise.
 """
@@ -30,12 +33,14 @@ import os
 import select
 import shlex
 import shutil
+import stat
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from nodeagent.core.hold import MODULE_HEAD_BYTES, could_be_module, held_open
@@ -101,9 +106,9 @@ def run_opener(files: list[str]) -> float:
     return float(out)
 
 
-def stepwise(top: Path, files: list[str]) -> tuple[dict[str, list[int]], float, int]:
-    """Each step's nanoseconds per event (one round), the opener's seconds per open, and
-    how many events one read returned at most."""
+def stepwise(top: Path, work: Callable[[], float]) -> tuple[dict[str, list[int]], float, int]:
+    """Each step's nanoseconds per event (one round of ``work``), what ``work`` returned,
+    and how many events one read returned at most."""
     group = FanotifyGroup()
     libc = group._libc
     steps: dict[str, list[int]] = {s: [] for s in STEPS}
@@ -141,7 +146,7 @@ def stepwise(top: Path, files: list[str]) -> tuple[dict[str, list[int]], float, 
                 head = os.pread(ev.fd, MODULE_HEAD_BYTES, 0)
                 module = could_be_module(head)
                 e = clock()
-                if held is None and not module and st.st_size >= 0:
+                if held is None and not module and stat.S_ISREG(st.st_mode):
                     libc.fanotify_mark(group.fd, flags, FAN_OPEN_PERM, ev.fd, None)
                 f = clock()
                 os.write(group.fd, RESPONSE.pack(ev.fd, 1))
@@ -157,18 +162,58 @@ def stepwise(top: Path, files: list[str]) -> tuple[dict[str, list[int]], float, 
     t.start()
     group.mark_filesystem(str(top))
     try:
-        per_open = run_opener(files)
+        got = work()
     finally:
         stop.set()
         t.join()
         group.close()
-    return steps, per_open, most
+    return steps, got, most
+
+
+def timed(argv: list[str]) -> Callable[[], float]:
+    def run() -> float:
+        t = time.perf_counter()
+        subprocess.run(argv, check=True)
+        return time.perf_counter() - t
+
+    return run
+
+
+def arms(
+    top: Path, work: Callable[[], float], rounds: int, bare: Callable[[], float] | None = None
+) -> dict[str, list[float]]:
+    """``work``'s result per arm, the arms alternating, each first in turn: no mark; the
+    responder apart as the agent runs it; the bare steps (``stepwise``, or ``bare``)."""
+    budget, _ = descriptor_budget()
+    out: dict[str, list[float]] = {}
+    plan = ["no mark", "responder apart", "bare steps"]
+    for r in range(rounds):
+        for arm in plan[r % 3 :] + plan[: r % 3]:
+            if arm == "no mark":
+                out.setdefault(arm, []).append(work())
+            elif arm == "bare steps":
+                got = bare() if bare is not None else stepwise(top, work)[1]
+                out.setdefault(arm, []).append(got)
+            else:
+                group = FanotifyGroup()
+                responder = spawner(group, budget_s=60, ignore_marks="auto")(budget)
+                group.mark_filesystem(str(top))
+                try:
+                    out.setdefault(arm, []).append(work())
+                finally:
+                    responder.stop()
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time bench/hold_latency.py's gcc load (40 objects, 400 of 1500 headers)",
+    )
     args = ap.parse_args()
     print(f"# command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"# machine: {os.cpu_count()} cpus, kernel {os.uname().release}")
@@ -181,28 +226,20 @@ def main() -> int:
         files = make_files(top, args.files)
         run_opener(files)  # warm: the opener's start, the dentries
         steps: dict[str, list[int]] = {s: [] for s in STEPS}
-        ends: dict[str, list[float]] = {}
         most = 0
-        budget, _ = descriptor_budget()
-        for r in range(args.rounds):
-            plan = ["no mark", "responder apart", "stepwise"]
-            for arm in plan[r % 3 :] + plan[: r % 3]:
-                if arm == "no mark":
-                    ends.setdefault(arm, []).append(run_opener(files))
-                elif arm == "stepwise":
-                    got, per_open, m = stepwise(top, files)
-                    most = max(most, m)
-                    for k, v in got.items():
-                        steps[k].extend(v)
-                    ends.setdefault(arm, []).append(per_open)
-                else:
-                    group = FanotifyGroup()
-                    responder = spawner(group, budget_s=60, ignore_marks="auto")(budget)
-                    group.mark_filesystem(str(top))
-                    try:
-                        ends.setdefault(arm, []).append(run_opener(files))
-                    finally:
-                        responder.stop()
+
+        def opens() -> float:
+            return run_opener(files)
+
+        def bare() -> float:
+            nonlocal most
+            got, per_open, m = stepwise(top, opens)
+            most = max(most, m)
+            for k, v in got.items():
+                steps[k].extend(v)
+            return per_open
+
+        ends = arms(top, opens, args.rounds, bare)
         print(
             f"first opens of {args.files} distinct files on a marked tmpfs, one opener, "
             f"{args.rounds} rounds alternating (medians):"
@@ -212,13 +249,31 @@ def main() -> int:
             us = statistics.median(xs) * 1e6
             extra = us - base * 1e6
             print(f"  {arm:<16} {us:8.1f} us/open  (+{extra:6.1f} us over the unmarked)")
-        print(f"the stepwise responder, per event (median, p90; at most {most} events a read):")
+        print(f"the bare steps, per event (median, p90; at most {most} events a read):")
         for name, ns in steps.items():
             if not ns:
                 continue
             med = statistics.median(ns) / 1000
             p90 = sorted(ns)[int(0.9 * len(ns))] / 1000
             print(f"  {name:<18} {med:7.2f} us  p90 {p90:7.2f} us")
+        if args.compile:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from hold_latency import compile_tree  # the bench beside
+
+            script, used = compile_tree(top / "build", 40, 400, 1500)
+            build = timed(["sh", str(script)])
+            build()  # a warm-up: caches, the objects' files
+            got = arms(top, build, args.rounds)
+            base = statistics.median(got["no mark"])
+            print(
+                f"gcc -O0 -c of 40 objects, each including 400 of 1500 headers ({used} "
+                f"distinct), one after another ({script}), {args.rounds} rounds alternating "
+                "(medians):"
+            )
+            for arm, xs in got.items():
+                m = statistics.median(xs)
+                each = " ".join(f"{x:.2f}" for x in xs)
+                print(f"  {arm:<16} {m:6.2f} s  ratio {m / base:.3f}  (rounds: {each})")
     finally:
         subprocess.run(["umount", "-l", str(top)], capture_output=True)
         shutil.rmtree(top, ignore_errors=True)
