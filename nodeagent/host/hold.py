@@ -198,6 +198,46 @@ def is_loader(pid: int, proc: str = "/proc") -> tuple[bool, str]:
     return bool(loader), (loader[0] if loader else ",".join(sorted(names)) or "?")
 
 
+CAP_SYS_MODULE = 16
+STATUS_BYTES = 8192
+
+
+def _status_hex(status: bytes, field: bytes) -> int | None:
+    for line in status.splitlines():
+        if line.startswith(field):
+            with contextlib.suppress(ValueError):
+                return int(line[len(field) :].strip()[:16], 16)
+    return None
+
+
+def opener_may_load(proc: str = "/proc") -> Callable[[int], str | None]:
+    """Why the opener ``pid`` cannot load a module now, or None when it can:
+    ``finit_module`` needs ``CAP_SYS_MODULE`` in the initial user namespace, so the
+    opener must be in the host's user namespace (the responder's own, as a fanotify
+    permission group needs ``CAP_SYS_ADMIN`` there) with the capability in its effective
+    or permitted set. One bounded read of its status and a stat of its namespace; an
+    opener that cannot be read is not held (it cannot be shown to be able to load)."""
+
+    def why_not(pid: int) -> str | None:
+        try:
+            fd = os.open(f"{proc}/{pid}/status", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                status = os.read(fd, STATUS_BYTES)
+            finally:
+                os.close(fd)
+            mine, its = os.stat(f"{proc}/self/ns/user"), os.stat(f"{proc}/{pid}/ns/user")
+        except OSError as exc:
+            return f"cannot read it ({exc.strerror or exc})"
+        if (mine.st_dev, mine.st_ino) != (its.st_dev, its.st_ino):
+            return "not in the host's user namespace"
+        caps = (_status_hex(status, b"CapEff:") or 0) | (_status_hex(status, b"CapPrm:") or 0)
+        if not caps >> CAP_SYS_MODULE & 1:
+            return "no CAP_SYS_MODULE"
+        return None
+
+    return why_not
+
+
 def event_path(event: PermEvent) -> str:
     """The opened file's path as this process sees it (readlink: no open, no event)."""
     try:
@@ -246,6 +286,7 @@ class Responder:
         watch_fds: Mapping[int, Callable[[], None]] | None = None,
         after_step: Callable[[], None] = lambda: None,
         ignore: Callable[[int], None] | None = None,
+        may_load: Callable[[int], str | None] | None = None,
     ) -> None:
         """``on_report``: called (from the responder thread, so it must not block or open a
         file) when a report or a notice is added: the loop records it on its next pass.
@@ -260,7 +301,10 @@ class Responder:
         called after each round (the process apart sends its reports there). ``ignore``:
         given an event's descriptor, filters later opens of that file in the kernel if it
         cannot be a target (``host/fanotify.IgnoreMarks.add``); called before the first
-        open of a file the hold does not name is allowed."""
+        open of a file the hold does not name is allowed. ``may_load``: why an opener
+        cannot load a module (None: it can); only one that can is ever held (default:
+        ``opener_may_load`` under ``proc``; a caller giving its own ``loader_of`` says
+        who loads, and by default everyone it names can)."""
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
@@ -272,6 +316,9 @@ class Responder:
         self.clock = clock
         self.proc = proc
         self.loader_of = loader_of or (lambda pid: is_loader(pid, proc))
+        if may_load is None:
+            may_load = opener_may_load(proc) if loader_of is None else (lambda pid: None)
+        self.may_load = may_load
         self.container_of = container_of or (lambda pid: mount_namespace(pid, proc))
         self.path_of = path_of
         self.on_report = on_report
@@ -282,10 +329,12 @@ class Responder:
         self.reported = 0  # reports and notices ever added (the deques are drained by the loop)
         # no_fd: the kernel could not open the file for us (e.g. our descriptors ran out)
         # and denied that open itself; overflow: the kernel's queue overflowed; over_cap:
-        # held-class opens allowed at once past a cap; faults: errors survived.
+        # held-class opens allowed at once past a cap; faults: errors survived; incapable:
+        # held-class opens by a loader that cannot load a module (allowed at once).
         self.counts = {
             "allowed": 0,
             "held": 0,
+            "incapable": 0,
             "unidentified": 0,
             "overflow": 0,
             "no_fd": 0,
@@ -540,6 +589,13 @@ class Responder:
         if not loader or self.gate_open():
             self._allow(event)
             return
+        # Only an opener that can load a module is held: no other can spend the caps, nor
+        # grow what the responder reports (issue 51: an unprivileged user namespace's opens
+        # were held and silenced the responder).
+        if self.may_load(event.pid) is not None:
+            self.counts["incapable"] += 1
+            self._allow(event)
+            return
         container = self.container_of(event.pid)
         with self._lock:
             if len(self._held) >= self.held_total:
@@ -661,6 +717,8 @@ class HoldHost:
     # Why a pid's process can never load a module, or None if it can (default: its
     # bounding set and user namespace under ``proc``; containers.py).
     may_load: Callable[[int], str | None] | None = None
+    # Why an opener cannot load a module now (default: ``opener_may_load`` under ``proc``).
+    opener_may_load: Callable[[int], str | None] | None = None
     threaded: bool = True
     clock: Callable[[], float] = time.monotonic  # budgets and ages
     # The responder in a process of its own (``host/responder_apart.py``) when threaded:
@@ -729,6 +787,7 @@ def start_hold(
             held_per_container=budget.held_per_container,
             held_total=budget.held_total,
             descriptors=budget,
+            may_load=host.opener_may_load,
         )
         if host.threaded:
             thread.start()

@@ -49,7 +49,16 @@ READY_TIMEOUT_S = 15.0  # a Python start under a loaded node; the hold marks not
 # kernel lets what it held go, and a new one is started.
 STUCK_S = 10.0
 STOP_TIMEOUT_S = 2.0  # its held opens let go and its last reports read, else SIGKILL
-COUNT_KEYS = ("allowed", "held", "unidentified", "overflow", "no_fd", "over_cap", "faults")
+COUNT_KEYS = (
+    "allowed",
+    "held",
+    "incapable",
+    "unidentified",
+    "overflow",
+    "no_fd",
+    "over_cap",
+    "faults",
+)
 
 
 def spawner(

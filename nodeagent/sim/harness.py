@@ -97,6 +97,7 @@ class SimAgent:
             path_of=k.event_path,
             dev_of=k.superblock_at,
             may_load=lambda pid: None,  # the seeds' driver containers are privileged
+            opener_may_load=lambda pid: None,  # and so are their module loaders
             threaded=False,
             clock=node.sched.now,
         )

@@ -1,0 +1,76 @@
+"""Only an opener that can load a module is ever held (issue 51), against the real kernel:
+the agent's responder apart, a real fanotify mark on a tmpfs, real user namespaces.
+
+An unprivileged user could hold opens of the peermem module file from a user namespace
+of its own (``unshare -Ur``: a full capability set, but not in the host's namespace) and
+so spend the hold's caps and grow what the responder reports until it went silent and
+was killed. ``finit_module`` needs ``CAP_SYS_MODULE`` in the initial user namespace: an
+opener without it there is let go at once and counted; the driver container's own load
+is still held.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nodeagent.host.hold import opener_may_load
+from nodeagent.sim.node import READY
+
+from .test_responder_apart import (
+    _agent_here,
+    _held_pids,
+    _loader,
+    _loaders,
+    _unmounted,
+    driver_root,
+)
+from .waiting import WAIT, until
+
+
+def test_opener_may_load_reads_the_capability_and_the_namespace(tmp_path: Path) -> None:
+    why = opener_may_load()
+    assert why(os.getpid()) is None  # (this test runs as root in the host's namespaces)
+    sleeper = subprocess.Popen(["unshare", "-U", "-r", "sleep", "30"])
+    dropped = subprocess.Popen(["setpriv", "--bounding-set=-sys_module", "sleep", "30"])
+    try:
+        until(lambda: why(sleeper.pid) is not None, "the user namespace was not seen")
+        assert why(sleeper.pid) == "not in the host's user namespace"
+        until(lambda: why(dropped.pid) == "no CAP_SYS_MODULE", "the dropped capability")
+    finally:
+        for p in (sleeper, dropped):
+            p.kill()
+            p.wait(WAIT)
+    assert why(2**22 + 12345) is not None  # gone: cannot be shown to load
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) here")
+def test_only_an_opener_that_can_load_a_module_is_held(tmp_path: Path) -> None:
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+        side = agent.side("peermem")
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        want = ko.read_bytes()
+        # The gate is closed (no ready flag): each of these would be held if it could load.
+        for argv in (
+            ["unshare", "-U", "-r", modprobe, str(ko)],  # its own user namespace
+            ["setpriv", "--bounding-set=-sys_module", modprobe, str(ko)],  # no capability
+        ):
+            done = subprocess.run(argv, capture_output=True, timeout=WAIT)
+            assert done.returncode == 0 and done.stdout == want, (argv, done.stderr)
+        until(
+            lambda: side.hold is not None and side.hold.counts.get("incapable") == 2,
+            "the two incapable opens were not counted",
+        )
+        assert _held_pids(side) == []
+        # The driver container's own load (root in the host's namespace) is held.
+        procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
+        until(lambda: procs[0].pid in _held_pids(side), "the capable load was not held")
+        node.write(READY)
+        out, _ = procs[0].communicate(timeout=WAIT)
+        assert procs[0].returncode == 0 and out == want
