@@ -74,3 +74,45 @@ def test_only_an_opener_that_can_load_a_module_is_held(tmp_path: Path) -> None:
         node.write(READY)
         out, _ = procs[0].communicate(timeout=WAIT)
         assert procs[0].returncode == 0 and out == want
+
+
+def test_no_path_an_opener_picks_silences_the_responder(tmp_path: Path) -> None:
+    """64 held opens (the per-container cap) of the module file through a bind mount at a
+    3.5 KB deep path: the responder's state lists them with paths cut and the exact count,
+    and its heartbeat, a message of its own, keeps coming (issue 51: the state outgrew
+    its 64 KB cap, no heartbeat went out, the agent killed the responder as stuck after
+    10 s, and every held load went on with the gate closed)."""
+    from nodeagent.host.responder_main import PATH_LISTED
+
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    deep = tmp_path / "/".join(["d" * 250] * 14)  # 3.5 KB
+    deep.mkdir(parents=True)
+    with (
+        _unmounted(driver),
+        _unmounted(deep),
+        _loaders() as procs,
+        _agent_here(root) as (
+            agent,
+            _node,
+        ),
+    ):
+        side = agent.side("peermem")
+        hold = side.hold
+        hold.stuck_s = 2.0  # silent this long: killed (10 s as shipped)
+        subprocess.run(["mount", "--bind", str(driver), str(deep)], check=True)
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        far = deep / ko.relative_to(driver)
+        assert len(str(far)) > 3500
+        for _ in range(64):
+            procs.append(subprocess.Popen([modprobe, str(far)], stdout=subprocess.DEVNULL))
+        until(lambda: hold.held_count() == 64, "the 64 opens were not all held")
+        listed = hold.held()
+        assert len(listed) == 64  # (cut paths: they all fit)
+        assert all(
+            len(p) <= PATH_LISTED and p.endswith("nvidia-peermem.ko") for _, _, p, _ in listed
+        )
+        beats = hold.beats
+        until(lambda: hold.beats >= beats + 4, "the heartbeat stopped", timeout=WAIT)
+        assert hold.alive() and not hold.stuck and side.hold is hold
+        assert all(p.poll() is None for p in procs)  # every load still held

@@ -376,6 +376,7 @@ class PeermemHold(GuardSide):
                 {"pid": p, "opener": o, "path": f, "seconds": round(t, 3)}
                 for p, o, f, t in self.hold.held()
             ],
+            "held_count": self._held_count(),  # exact: "held" may list only some
             "counts": dict(self.hold.counts),
             "responder": "answering" if self.hold.alive() else "stopped",
             # Its own process (pid), or a thread of the agent's (None); replaced after deaths.
@@ -521,6 +522,13 @@ class PeermemHold(GuardSide):
             )
         self.hold, self.containers, self.marked = None, None, []
 
+    def _held_count(self) -> int:
+        """Exact, where the responder lists only some (apart: ``held_count``)."""
+        if self.hold is None:
+            return 0
+        count = getattr(self.hold, "held_count", None)
+        return int(count()) if count is not None else len(self.hold.held())
+
     def _ignore_status(self) -> dict[str, Any] | None:
         status = getattr(self.hold, "ignore_status", None)
         return status() if status is not None else None
@@ -536,7 +544,7 @@ class PeermemHold(GuardSide):
         responder_fds = getattr(self.hold, "descriptors_in_use", None)
         if responder_fds is not None:  # apart: held opens' descriptors are its own
             out["responder_in_use"] = responder_fds()
-        out["held_now"] = len(self.hold.held()) if self.hold is not None else 0
+        out["held_now"] = self._held_count()
         return out
 
     def _record_holds(self) -> None:

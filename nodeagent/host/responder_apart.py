@@ -139,6 +139,7 @@ class ResponderProcess:
         self.died: str | None = None  # how the process ended, if it did while it mattered
         self.stuck = False  # killed by the agent for its silence
         self.stuck_s = STUCK_S
+        self.beats = 0  # fixed-size heartbeats read (apart from its state)
         self.pid: int | None = None
         self._counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
         self._state: dict[str, Any] = {}
@@ -292,9 +293,16 @@ class ResponderProcess:
             return dict(got) if isinstance(got, dict) else None
 
     def held(self) -> list[tuple[int, str, str, float]]:
+        """The held opens the responder listed (at most its ``HELD_LISTED``; paths cut)."""
         with self._lock:
             since = time.monotonic() - self._state_at
             return [(p, o, f, s + since) for p, o, f, s in self._state.get("held", [])]
+
+    def held_count(self) -> int:
+        """How many opens it holds (exact, however many it listed)."""
+        with self._lock:
+            got = self._state.get("held_count")
+            return int(got) if isinstance(got, int) else len(self._state.get("held", []))
 
     def alive(self) -> bool:
         return self._popen is not None and self._popen.poll() is None and self.died is None
@@ -422,6 +430,8 @@ class ResponderProcess:
             self.notices.append(msg["notice"])
             self.reported += 1
             return True
+        elif kind == "beat":
+            self.beats += 1  # (its arrival is what the reader counts as a sign of life)
         elif kind == "state":
             with self._lock:
                 self._state, self._state_at = msg, time.monotonic()

@@ -38,8 +38,17 @@ from nodeagent.host.hold_lease import read_lease
 OUTBOX_MAX = 4 << 20  # bytes of messages kept while the agent does not read (it is stalled)
 STATE_MAX = 64 << 10  # a state message is added only while less than this is waiting
 STATE_EVERY_S = 0.1  # at most this often; state is "latest wins", reports are never dropped
-# A state at least this often, changed or not: the agent takes a silent responder for stuck.
+# A beat at least this often: the agent takes a silent responder for stuck. A message of
+# its own, a few bytes, never the state: what openers make the state say (their paths)
+# must never silence it (issue 51: 64 held opens at a 3.5 KB path grew the state past
+# STATE_MAX, so no state and no heartbeat went out, and the agent killed it as stuck).
 HEARTBEAT_S = 1.0
+BEAT = b'{"t":"beat"}\n'
+# The state lists the held opens in at most HELD_BYTES of JSON, each path cut to
+# PATH_LISTED characters (its start and its end, where the file's name is); the count is
+# exact however many are listed (the caps allow 256 held: short paths list them all).
+HELD_BYTES = 48 << 10
+PATH_LISTED = 256
 FINAL_FLUSH_S = 2.0  # at exit, how long the last reports may wait for the agent to read
 
 
@@ -53,7 +62,9 @@ class Outbox:
         self.broken = False  # the agent's end is closed: it is gone
 
     def put(self, msg: dict[str, Any], limit: int = OUTBOX_MAX) -> bool:
-        line = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        return self.put_line(json.dumps(msg, separators=(",", ":")).encode() + b"\n", limit)
+
+    def put_line(self, line: bytes, limit: int = OUTBOX_MAX) -> bool:
         if len(self.buf) + len(line) > limit:
             self.dropped += 1
             return False
@@ -98,6 +109,7 @@ class ApartResponder(Responder):
         self._state_sent = 0.0
         self._state_sig: tuple[int, int, int] = (-1, -1, -1)  # what the last state said
         self._state_due = False
+        self._beat_sent = 0.0
 
     def _timeout_ms(self) -> int | None:
         timeout = super()._timeout_ms()
@@ -118,14 +130,17 @@ class ApartResponder(Responder):
         # Cheap first (this runs after every event): what may have changed, and when.
         sig = (sum(self.counts.values()), len(self._held), self.reported)
         now = time.monotonic()
-        if sig != self._state_sig or now - self._state_sent >= HEARTBEAT_S:
+        if sig != self._state_sig:  # (its life is said by the beat, not by the state)
             self._state_due = True
+        if now - self._beat_sent >= HEARTBEAT_S and out.put_line(BEAT, OUTBOX_MAX + len(BEAT)):
+            self._beat_sent = now
         if self._state_due and now - self._state_sent >= STATE_EVERY_S:
             held = self.held()
             state = {
                 "t": "state",
                 "counts": self.counts,
-                "held": [[p, o, f, round(s, 3)] for p, o, f, s in held],
+                "held_count": len(held),
+                "held": _listed(held),
                 "peak": self.peak_descriptors,
                 "fds": open_descriptors(),
                 "dropped": out.dropped,
@@ -135,6 +150,27 @@ class ApartResponder(Responder):
                 self._state_sig, self._state_sent, self._state_due = sig, now, False
         if out.buf:
             out.flush()
+
+
+def _listed(held: list[tuple[int, str, str, float]]) -> list[list[Any]]:
+    """What the state lists of ``held``: in order, while it fits in HELD_BYTES."""
+    out: list[list[Any]] = []
+    size = 0
+    for pid, opener, path, seconds in held:
+        entry = [pid, opener[:32], _cut(path), round(seconds, 3)]
+        size += len(json.dumps(entry, separators=(",", ":"))) + 1
+        if size > HELD_BYTES:
+            break
+        out.append(entry)
+    return out
+
+
+def _cut(path: str) -> str:
+    """At most PATH_LISTED characters: the start and the end (the file's name), cut between."""
+    if len(path) <= PATH_LISTED:
+        return path
+    keep = PATH_LISTED - 1
+    return path[: keep // 4] + "\u2026" + path[-(keep - keep // 4) :]
 
 
 def _drain_eventfd(fd: int) -> None:
