@@ -258,3 +258,36 @@ def test_an_unknown_ignore_mode_is_refused_in_one_line() -> None:
 
     with pytest.raises(ValueError, match=r"mode 'evictible' is not one of auto, evictable"):
         IgnoreMarks(NoGroup(), mode="evictible")  # type: ignore[arg-type]
+
+
+def test_a_mark_the_kernel_did_not_take_never_uses_up_the_pinned_budget(tmp_path: Path) -> None:
+    """The kernel answers 0 to an ignore mark on a file someone has open for writing and
+    takes none (issue 51: it was counted, and phantom marks could use up the pinned
+    budget). At the budget, the group's fdinfo is counted: the real files still get theirs."""
+    from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
+
+    try:
+        group = FanotifyGroup()
+    except OSError as exc:
+        pytest.skip(f"no fanotify group here: {exc}")
+    writers = []
+    try:
+        marks = IgnoreMarks(group, mode="pinned", pinned_max=2)
+        fds = []
+        for name in ("busy1", "busy2", "real1", "real2"):
+            f = tmp_path / name
+            f.write_text("not a module\n")
+            if name.startswith("busy"):
+                writers.append(open(f, "a"))  # noqa: SIM115 (held open for writing)
+            fds.append(os.open(f, os.O_RDONLY))
+        for fd in fds:
+            marks.add(fd)
+        assert marks.kernel_marks() == 2  # the two real files: the busy ones got none
+        assert marks.counted == 0  # at the budget the kernel held none of the two asked
+        assert marks.status()["added"] == 2
+        for fd in fds:
+            os.close(fd)
+    finally:
+        for w in writers:
+            w.close()
+        group.close()

@@ -158,6 +158,7 @@ class PeermemHold(GuardSide):
         self.retry_at: float | None = None
         self._retry_timer: threading.Timer | None = None
         self.off: str | None = None  # why the hold stays off until the agent restarts
+        self.reports_lost_said = 0  # of the responder's lost reports, those recorded
 
     # -- the loop's hooks -------------------------------------------------------
 
@@ -521,6 +522,7 @@ class PeermemHold(GuardSide):
                 {"kind": "hold-root-gone", "pid": r.pid, "dev": r.dev_text(), "why": why}
             )
         self.hold, self.containers, self.marked = None, None, []
+        self.reports_lost_said = 0  # (a new responder counts from 0)
 
     def _held_count(self) -> int:
         """Exact, where the responder lists only some (apart: ``held_count``)."""
@@ -559,6 +561,19 @@ class PeermemHold(GuardSide):
             notice = self.hold.notices.popleft()
             log.warning("peermem hold: %s (%s times)", notice.get("meaning"), notice.get("count"))
             self.ctx.record({**notice, "guard": self.ctx.name})
+        lost = int(getattr(self.hold, "reports_lost", 0))
+        if lost > self.reports_lost_said:
+            self.ctx.record(
+                {
+                    "kind": "hold-reports-lost",
+                    "guard": self.ctx.name,
+                    "count": lost - self.reports_lost_said,
+                    "meaning": "held opens ended while the agent's loop did not read their "
+                    "reports for long (stopped or starved): these are not in the timeline; "
+                    "the hold's counts (status) still include them",
+                }
+            )
+            self.reports_lost_said = lost
         while self.hold.reports:
             r = self.hold.reports.popleft()
             self.ctx.record(

@@ -307,6 +307,10 @@ _IGNORE_PINNED = FAN_MARK_ADD | FAN_MARK_IGNORED_MASK
 _IGNORE_EVICTABLE = _IGNORE_PINNED | FAN_MARK_EVICTABLE
 
 
+# The group's fdinfo read to count its marks: ~150 bytes a mark, PINNED_MAX of them.
+FDINFO_MAX = 8 << 20
+
+
 class IgnoreMarks:
     """Opens of files that cannot be a target, filtered in the kernel after the first.
 
@@ -323,12 +327,19 @@ class IgnoreMarks:
     ``mode``: ``evictable`` (5.19+: ``FAN_MARK_EVICTABLE``, the kernel drops marks of
     inodes it evicts, so memory stays bounded), ``pinned`` (older kernels: at most
     ``PINNED_MAX`` marks, each pinning its inode until the group closes), ``off``.
-    ``auto`` probes the kernel at start (``probe``)."""
+    ``auto`` probes the kernel at start (``probe``).
+
+    The kernel answers 0 to an ignore mark it silently does not take (a file someone has
+    open for writing: ``fanotify_add_inode_mark``), so ``added`` counts requests; in
+    ``pinned`` mode, when they reach ``pinned_max``, the group's fdinfo (the kernel's own
+    list of its marks) is read and ``added`` set to what it holds, so phantom marks never
+    use up the budget (issue 51)."""
 
     def __init__(self, group: FanotifyGroup, mode: str = "auto", pinned_max: int = PINNED_MAX):
         self.group = group
         self.pinned_max = pinned_max
-        self.added = 0  # marks added
+        self.added = 0  # marks asked for and answered 0 (since the last count: see above)
+        self.counted: int | None = None  # marks the kernel listed at the last count
         self.modules = 0  # first opens of files that could be modules: never ignored
         self.failed = 0  # marks the kernel refused (after the probe)
         self.problem: str | None = None
@@ -368,7 +379,11 @@ class IgnoreMarks:
             return
         evictable = self.mode == "evictable"
         if not evictable and self.added >= self.pinned_max:
-            return
+            if self.counted is not None and self.counted >= self.pinned_max:
+                return  # full, counted: no more reads of fdinfo
+            self.counted = self.added = self.kernel_marks()
+            if self.added >= self.pinned_max:
+                return
         flags = _IGNORE_EVICTABLE if evictable else _IGNORE_PINNED
         if self._mark(flags, fd) == 0:
             self.added += 1
@@ -378,6 +393,28 @@ class IgnoreMarks:
         if err == errno.ENOSPC:  # the user's mark limit: stop adding, say so once
             self.problem = f"ignore marks stopped at {self.added}: {os.strerror(err)}"
             self.mode = "off"
+
+    def kernel_marks(self) -> int:
+        """The ignore marks the kernel holds in this group: its fdinfo, one line an inode
+        mark (bounded read; as many as ``added`` if it cannot be read)."""
+        try:
+            fd = os.open(f"/proc/self/fdinfo/{self.group.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return self.added
+        try:
+            chunks, size = [], 0
+            while size < FDINFO_MAX:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        except OSError:
+            return self.added
+        finally:
+            os.close(fd)
+        lines = b"".join(chunks).splitlines()
+        return sum(1 for line in lines if line.startswith(b"fanotify ino:"))
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -327,6 +327,7 @@ class Responder:
         self.descriptors = descriptors
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
         self.reported = 0  # reports and notices ever added (the deques are drained by the loop)
+        self.reports_lost = 0  # reports pushed out of the full deque before the loop read them
         # no_fd: the kernel could not open the file for us (e.g. our descriptors ran out)
         # and denied that open itself; overflow: the kernel's queue overflowed; over_cap:
         # held-class opens allowed at once past a cap; faults: errors survived; incapable:
@@ -651,6 +652,8 @@ class Responder:
                 self._allow(h.event)
             except Exception as exc:  # the rest are still answered
                 self._fault(exc)
+            if len(self.reports) == self.reports.maxlen:
+                self.reports_lost += 1  # the oldest goes: counted, said in one record
             self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))
             self.reported += 1
         if done:

@@ -140,6 +140,7 @@ class ResponderProcess:
         self.stuck = False  # killed by the agent for its silence
         self.stuck_s = STUCK_S
         self.beats = 0  # fixed-size heartbeats read (apart from its state)
+        self.reports_lost = 0  # reports pushed out unread (the loop did not drain for long)
         self.pid: int | None = None
         self._counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
         self._state: dict[str, Any] = {}
@@ -415,6 +416,8 @@ class ResponderProcess:
         kind = msg.get("t")
         if kind == "report":
             with contextlib.suppress(TypeError):
+                if len(self.reports) == self.reports.maxlen:
+                    self.reports_lost += 1  # the oldest goes: counted, said in one record
                 self.reports.append(
                     HoldReport(
                         int(msg["pid"]),
