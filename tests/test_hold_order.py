@@ -1,12 +1,14 @@
-"""Closing comes first: when the peermem gate closes, the hold's responder lease closes
-before the gate file a reader asks is withdrawn (issue 51), in the protective step and in
-a pass that takes its gates back."""
+"""The hold's side, through the agent loop with a fake group (issue 51): closing comes
+first (the responder's lease closes before the gate file a reader asks is withdrawn), and
+a root whose mark failed is tried again."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
@@ -19,7 +21,10 @@ from .test_fanotify_hold import OverflowingGroup
 from .waiting import WAIT, until
 
 
-def test_the_responder_lease_closes_before_the_gate_file_goes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("why", ["ready flag removed", "decision gone stale"])
+def test_the_responder_lease_closes_before_the_gate_file_goes(tmp_path: Path, why: str) -> None:
+    """Whatever withdraws the gate file (a closed verdict, or a publish whose decision went
+    stale: under load, a pass that opened it may find an event since its observation)."""
     (tmp_path / "run/nvidia/driver").mkdir(parents=True)
     node = healthy_node(tmp_path)  # MOFED ready: the gate opens, the lease with it
     pol = PeermemPolicy(
@@ -42,10 +47,71 @@ def test_the_responder_lease_closes_before_the_gate_file_goes(tmp_path: Path) ->
             follow(is_open)
 
         side.hold.follow = recording
-        (tmp_path / READY).unlink()  # MOFED restarts: the pass closes the gate
+        if why == "ready flag removed":
+            (tmp_path / READY).unlink()  # MOFED restarts: the pass closes the gate
+        else:
+            agent.gates.fresh = lambda snap: False  # every publish finds its decision stale
+            agent.poke.poke("test")
         closing = until(lambda: [t for t in list(told) if not t[0]], "the lease never closed")
         assert closing[0] == (False, True), "the gate file went before the responder's lease"
         until(lambda: not (tmp_path / GATE).exists(), "the gate file stayed")
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
+
+
+class _RefusingMarks(OverflowingGroup):
+    """A group whose marks of one root fail (ENOSPC: the user's mark limit) until allowed."""
+
+    def __init__(self, refused: str) -> None:
+        super().__init__([])
+        self.refused = refused
+        self.allow = threading.Event()
+
+    def mark_filesystem(self, path: str) -> None:
+        if path.endswith(self.refused) and not self.allow.is_set():
+            raise OSError(28, "No space left on device")
+
+
+def test_a_root_whose_mark_failed_is_marked_once_it_can_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """issue 51: a hold root whose mark failed (ENOSPC on max_user_marks) was never tried
+    again, its loads unheld in silence. Now every pass names it as a problem, and it is
+    tried again with backoff until marked."""
+    from nodeagent.guards import peermem_hold
+
+    monkeypatch.setattr(peermem_hold, "START_RETRY_S", 0.01)
+    for d in ("run/nvidia/driver", "run/other/driver"):
+        (tmp_path / d).mkdir(parents=True)
+    node = healthy_node(tmp_path, ready=False)
+    pol = PeermemPolicy(
+        hold_loads="fanotify",
+        hold_roots=("run/nvidia/driver", "run/other/driver"),
+        hold_containers=(),
+    )
+    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
+    group = _RefusingMarks("run/other/driver")
+    host = HoldHost(group=lambda: group, host_pids=lambda: True)
+    agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        side: Any = agent.side("peermem")
+        until(lambda: side.hold is not None, "the hold did not start")
+        assert side.marked == ["run/nvidia/driver"]
+        agent.poke.poke("test")
+        until(
+            lambda: any("run/other/driver not marked" in p for p in side.problems()),
+            "the unmarked root is not a problem",
+        )
+        group.allow.set()
+        until(
+            lambda: (agent.poke.poke("test"), "run/other/driver" in side.marked)[1],
+            "the root was never marked",
+        )
+        assert side.problems() == []
     finally:
         agent.stop()
         thread.join(WAIT)

@@ -27,7 +27,9 @@ holding, every pass says so as a problem of its status.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -159,6 +161,11 @@ class PeermemHold(GuardSide):
         self._retry_timer: threading.Timer | None = None
         self.off: str | None = None  # why the hold stays off until the agent restarts
         self.reports_lost_said = 0  # of the responder's lost reports, those recorded
+        # hold_roots not marked (absent yet, ENOSPC on max_user_marks...): tried again at
+        # a pass from mark_at, START_RETRY_S doubling to START_RETRY_MAX_S.
+        self.group: HoldGroup | None = None
+        self.mark_failures = 0
+        self.mark_at: float | None = None
 
     # -- the loop's hooks -------------------------------------------------------
 
@@ -232,10 +239,18 @@ class PeermemHold(GuardSide):
         return "not started"
 
     def problems(self) -> list[str]:
-        """Configured and not holding: said at every pass until it holds."""
-        if not self.configured or (self.hold is not None and self.hold.alive()):
+        """Configured and not holding, or a root not marked: said at every pass meanwhile."""
+        if not self.configured:
             return []
-        return [f"peermem.hold_loads is configured and not holding any load: {self.state}"]
+        if self.hold is None or not self.hold.alive():
+            return [f"peermem.hold_loads is configured and not holding any load: {self.state}"]
+        unmarked = [r for r in self.ctx.policy.hold_roots if r not in self.marked]
+        if unmarked:
+            return [
+                f"peermem.hold_roots {', '.join(unmarked)} not marked (tried again): a load "
+                "through it is not held"
+            ]
+        return []
 
     def _prepare(
         self, track: Callable[[ResponderProcess], None] = lambda responder: None
@@ -310,7 +325,10 @@ class PeermemHold(GuardSide):
             ctx.record({"kind": "state-problem", "problem": p})
         if hold is None:
             return False
-        self.hold, self.marked = hold, marked
+        self.hold, self.marked, self.group = hold, marked, group
+        self.mark_failures, self.mark_at = 0, None
+        if any(name not in marked for name in pol.hold_roots):  # tried again (_mark_roots)
+            self._mark_failed()
         self.hold.follow(self.gate_open)  # a new responder starts closed: tell it the gate
         self.since = ctx.clock()
         budget = self.hold.descriptors
@@ -344,6 +362,9 @@ class PeermemHold(GuardSide):
         if not verdict.ok:
             self._follow(False)
 
+    def gate_closing(self) -> None:
+        self._follow(False)
+
     def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
         """A held load goes on only when ``wait`` would, or when the guard says no wait can
         help (a load the kernel refuses either way)."""
@@ -353,6 +374,7 @@ class PeermemHold(GuardSide):
         self._record_holds()
         self._replace_dead_responder()
         self._retry_if_due()
+        self._mark_roots()
 
     def needs_beat(self) -> bool:
         return self.hold is not None and self.gate_open
@@ -523,6 +545,40 @@ class PeermemHold(GuardSide):
             )
         self.hold, self.containers, self.marked = None, None, []
         self.reports_lost_said = 0  # (a new responder counts from 0)
+
+    def _mark_failed(self) -> None:
+        self.mark_failures += 1
+        delay = min(START_RETRY_S * 2 ** (self.mark_failures - 1), START_RETRY_MAX_S)
+        self.mark_at = self.ctx.clock() + delay
+
+    def _mark_roots(self) -> None:
+        """Mark the hold_roots not marked yet, once their retry is due (a pass at least
+        every resync looks); each one marked is recorded, each failure said once more."""
+        if self.hold is None or self.group is None or self.mark_at is None:
+            return
+        if self.ctx.clock() < self.mark_at:
+            return
+        still: list[str] = []
+        for name in self.ctx.policy.hold_roots:
+            if name in self.marked:
+                continue
+            path = str(self.ctx.host.path(name))
+            try:
+                if not os.path.isdir(path):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory (yet)")
+                self.group.mark_filesystem(path)
+            except OSError as exc:
+                still.append(f"{name}: {exc.strerror or exc}")
+                continue
+            self.marked = [*self.marked, name]
+            self.ctx.record({"kind": "hold-root-marked", "root": name})
+        if still:
+            problem = f"peermem.hold_roots not marked yet, tried again: {'; '.join(still)}"
+            log.warning("%s", problem)
+            self.ctx.record({"kind": "state-problem", "problem": problem})
+            self._mark_failed()
+        else:
+            self.mark_failures, self.mark_at = 0, None
 
     def _held_count(self) -> int:
         """Exact, where the responder lists only some (apart: ``held_count``)."""

@@ -11,8 +11,10 @@ gate. A guard that needs more from the node brings it here, through one
 - ``executors()``: actions of its own kinds (a VF restore);
 - ``start()`` before the first pass, ``stop()`` before the stop actions,
   ``close()`` last;
-- ``protect(verdict)``: the protective step of every pass, right after the
+- ``protect(verdict)``: the protective step of every pass, right before the
   closed gates' files are withdrawn (``loop/passes.py``, rule 3);
+- ``gate_closing()``: right before its gate's file is withdrawn, on any path
+  (a stale or failed publish, a beat that no longer vouches, rule 3);
 - ``after_memory(memory)``: bookkeeping that follows the saved memory (a
   snapshot file), before the status is written (rule 6);
 - ``after_publish(verdict, published, vouches)``: what follows the gate, at the
@@ -107,6 +109,10 @@ class GuardSide:
     def beat(self, published: bool, vouches: Callable[[], bool]) -> None:
         """Between passes, after the gates' leases: ``published``, this guard's gate file
         is still open; ``vouches()``, the last pass's decision still stands."""
+
+    def gate_closing(self) -> None:
+        """Its guard's gate file is about to be withdrawn (whatever the reason): close what
+        follows the gate now, before the file goes."""
 
     def problems(self) -> Sequence[str]:
         return ()

@@ -125,12 +125,18 @@ class GateFiles:
         state_dir: str,
         clock: Callable[[], float] = lease_clock,
         boot: Callable[[], str] = boot_id,
+        before_withdraw: Callable[[str], None] = lambda guard: None,
     ) -> None:
-        """``clock``, ``boot``: the boot-time clock and boot id (a test gives its own)."""
+        """``clock``, ``boot``: the boot-time clock and boot id (a test gives its own).
+        ``before_withdraw(guard)``: called before that gate's file is removed, on every
+        path that removes it (a closed verdict, a stale or failed publish, a beat that no
+        longer vouches): what stands between loaders and the kernel (the hold) closes
+        first."""
         self.host = host
         self.dir = state_dir
         self.clock = clock
         self.boot = boot
+        self.before_withdraw = before_withdraw
 
     def rel(self, guard: str) -> str:
         return f"{self.dir}/{guard}.gate"
@@ -141,6 +147,7 @@ class GateFiles:
         """Remove these gates' files; returns one line per gate that could not be withdrawn."""
         problems = []
         for guard in guards:
+            self.before_withdraw(guard)
             try:
                 self.host.remove(self.rel(guard))
             except (OSError, NodeagentError) as exc:

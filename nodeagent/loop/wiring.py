@@ -213,12 +213,18 @@ def build_agent(
     )
     watched: list[WakeSource] = []  # the run loop fills it
 
+    def sides_close(guard: str) -> None:
+        """Protective first: a gate's side (the hold) closes before its file goes."""
+        side = sides.get(guard)
+        if side is not None:
+            side.gate_closing()
+
     def fresh(snap: NodeSnapshot) -> bool:
         """Does the decision taken from ``snap`` still stand: no event since, markers as seen?"""
         return not any_pending(watched, poke) and observer.markers_unchanged(snap)
 
     gates = Gates(
-        GateFiles(host, cfg.paths.state_dir),
+        GateFiles(host, cfg.paths.state_dir, before_withdraw=sides_close),
         reconciler.gates,
         clock=clock,
         fresh=fresh,
