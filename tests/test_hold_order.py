@@ -116,3 +116,48 @@ def test_a_root_whose_mark_failed_is_marked_once_it_can_be(
         agent.stop()
         thread.join(WAIT)
         node.kernel.uevent_source.close()
+
+
+def test_an_agent_killed_while_holding_is_said_by_the_next_one(tmp_path: Path) -> None:
+    """issue 51: a kill -9 cannot be held (the kernel lets every held open go): the next
+    agent says so in one record; after a clean stop the next one says nothing."""
+    from nodeagent.guards.peermem_hold import RUNNING_FILE
+
+    (tmp_path / "run/nvidia/driver").mkdir(parents=True)
+    node = healthy_node(tmp_path, ready=False)
+    pol = PeermemPolicy(
+        hold_loads="fanotify", hold_roots=("run/nvidia/driver",), hold_containers=()
+    )
+    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
+    running = tmp_path / cfg.paths.state_dir / RUNNING_FILE
+
+    def one_agent() -> list[dict[str, Any]]:
+        recorded: list[dict[str, Any]] = []
+        host = HoldHost(group=lambda: OverflowingGroup([]), host_pids=lambda: True)
+        agent = Agent(
+            cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host,
+            on_record=recorded.append,
+        )  # fmt: skip
+        thread = threading.Thread(target=agent.run, daemon=True)
+        thread.start()
+        try:
+            side: Any = agent.side("peermem")
+            until(lambda: side.hold is not None and running.exists(), "the hold did not start")
+            passes = agent.passes
+            agent.poke.poke("test")
+            until(lambda: agent.passes > passes, "no pass after the hold started")
+        finally:
+            agent.stop()
+            thread.join(WAIT)
+        assert not running.exists(), "a clean stop leaves the file"
+        return [r for r in recorded if r.get("kind") == "hold-ended-unclean"]
+
+    try:
+        assert one_agent() == []  # nothing before it
+        running.parent.mkdir(parents=True, exist_ok=True)
+        running.write_text("")  # as a killed agent leaves it
+        (said,) = one_agent()
+        assert said["gate_open_now"] is False and "killed" in str(said["meaning"])
+        assert one_agent() == []  # the one before stopped cleanly
+    finally:
+        node.kernel.uevent_source.close()

@@ -377,7 +377,14 @@ def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_of
         assert "not holding any load until the agent restarts" in off["problem"]
         until(lambda: side.hold is None, "a hold is still on")
         assert len(_kinds(timeline, "hold-started")) == RESTARTS_MAX + 1
-        status = until(lambda: _status(root) if _hold_status(root) else None, "no hold status")
+        status = until(
+            lambda: (
+                _status(root)
+                if _hold_status(root).get("state", "").startswith("off after")
+                else None
+            ),
+            "status never said the hold is off",
+        )
         assert status["hold"]["state"].startswith(f"off after {RESTARTS_MAX} restarts: ")
         assert any(
             "configured and not holding any load: off after" in p for p in status["problems"]

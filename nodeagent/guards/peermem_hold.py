@@ -53,6 +53,9 @@ RESTART_WINDOW_S = 600.0
 # at every pass meanwhile (``problems``).
 START_RETRY_S = 1.0
 START_RETRY_MAX_S = 60.0
+# In the state directory while a hold runs, removed at a clean stop: found at start, the
+# last agent ended while holding (killed: nothing could keep its held opens waiting).
+RUNNING_FILE = "hold.running"
 # How long stop waits for a new responder still starting to be killed and closed (its
 # process is killed at once: this is its reaping and its descriptors closing).
 CANCEL_TIMEOUT_S = 5.0
@@ -161,6 +164,7 @@ class PeermemHold(GuardSide):
         self._retry_timer: threading.Timer | None = None
         self.off: str | None = None  # why the hold stays off until the agent restarts
         self.reports_lost_said = 0  # of the responder's lost reports, those recorded
+        self.unclean_end: bool | None = None  # the last agent ended while holding (at start)
         # hold_roots not marked (absent yet, ENOSPC on max_user_marks...): tried again at
         # a pass from mark_at, START_RETRY_S doubling to START_RETRY_MAX_S.
         self.group: HoldGroup | None = None
@@ -181,6 +185,7 @@ class PeermemHold(GuardSide):
         /proc code."""
         if not self.configured:
             return
+        self._look_for_an_unclean_end()
         host = self.ctx.ports.hold_host
         if host is not None and not host.threaded:
             prepared = self._prepare()
@@ -189,6 +194,33 @@ class PeermemHold(GuardSide):
                 self._adopt(group, host, run())
             return
         self._start_apart()
+
+    @property
+    def _running_rel(self) -> str:
+        return f"{self.ctx.paths.state_dir}/{RUNNING_FILE}"
+
+    def writes(self) -> dict[str, tuple[str, ...]]:
+        return {self.ctx.paths.state_dir: (RUNNING_FILE,)}
+
+    def _look_for_an_unclean_end(self) -> None:
+        """The last agent held and was killed (SIGKILL, OOM: its stop never ran): the
+        kernel let whatever it held go, gate or not. Said in one record at the first pass
+        (``after_publish``); what went through meanwhile the guard's decision sees now."""
+        try:
+            self.unclean_end = self.ctx.host.file_fact(self._running_rel).present
+        except (OSError, ValueError):
+            self.unclean_end = None
+
+    def _say_running(self, running: bool) -> None:
+        from nodeagent.errors import NodeagentError
+
+        try:
+            if running:
+                self.ctx.host.write_atomic(self._running_rel, b"", durable=False)
+            else:
+                self.ctx.host.remove(self._running_rel)
+        except (OSError, NodeagentError) as exc:
+            log.warning("peermem hold: %s: %s", self._running_rel, exc)
 
     def _start_apart(self) -> None:
         """A new group, process and marks, started off the loop thread (``_Replacement``);
@@ -326,6 +358,7 @@ class PeermemHold(GuardSide):
         if hold is None:
             return False
         self.hold, self.marked, self.group = hold, marked, group
+        self._say_running(True)
         self.mark_failures, self.mark_at = 0, None
         if any(name not in marked for name in pol.hold_roots):  # tried again (_mark_roots)
             self._mark_failed()
@@ -370,6 +403,20 @@ class PeermemHold(GuardSide):
         help (a load the kernel refuses either way)."""
         self.release = bool(verdict.evidence.get("release_held")) and vouches()
         self._follow(published or self.release)
+        if self.unclean_end:
+            self.unclean_end = False
+            self.ctx.record(
+                {
+                    "kind": "hold-ended-unclean",
+                    "guard": self.ctx.name,
+                    "gate_open_now": published,
+                    "meaning": "the last agent was killed while it held loads (its stop "
+                    "never ran): the kernel let every held open go, gate or not, so a load "
+                    "of nvidia-peermem may have gone on with the gate closed; this agent's "
+                    "decisions say what it found (a peermem loaded with the gate closed is "
+                    "unloaded, and loaded back once the gate opens)",
+                }
+            )
         self._adopt_replacement()
         self._record_holds()
         self._replace_dead_responder()
@@ -436,6 +483,7 @@ class PeermemHold(GuardSide):
         if self.hold is not None:
             self.hold.stop()  # every held open is allowed and reported
             self._record_holds()
+            self._say_running(False)
 
     def close(self) -> None:
         self._cancel_retry()
