@@ -21,18 +21,35 @@ from .test_fanotify_hold import OverflowingGroup
 from .waiting import WAIT, until
 
 
+def hold_config(tmp_path: Path, roots: tuple[str, ...] = ("run/nvidia/driver",)) -> Config:
+    """Enforce mode, the hold on over ``roots`` (made here), no container rule."""
+    for d in roots:
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+    pol = PeermemPolicy(hold_loads="fanotify", hold_roots=roots, hold_containers=())
+    return Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
+
+
+def fake_hold_agent(
+    cfg: Config,
+    node: Any,
+    group: OverflowingGroup | None = None,
+    recorded: list[dict[str, Any]] | None = None,
+) -> Any:
+    """The agent with its hold on a fake group (a responder thread of its own)."""
+    host = HoldHost(group=lambda: group or OverflowingGroup([]), host_pids=lambda: True)
+    on_record = recorded.append if recorded is not None else None
+    return Agent(
+        cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host, on_record=on_record
+    )
+
+
 @pytest.mark.parametrize("why", ["ready flag removed", "decision gone stale"])
 def test_the_responder_lease_closes_before_the_gate_file_goes(tmp_path: Path, why: str) -> None:
     """Whatever withdraws the gate file (a closed verdict, or a publish whose decision went
     stale: under load, a pass that opened it may find an event since its observation)."""
-    (tmp_path / "run/nvidia/driver").mkdir(parents=True)
+    cfg = hold_config(tmp_path)
     node = healthy_node(tmp_path)  # MOFED ready: the gate opens, the lease with it
-    pol = PeermemPolicy(
-        hold_loads="fanotify", hold_roots=("run/nvidia/driver",), hold_containers=()
-    )
-    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
-    host = HoldHost(group=lambda: OverflowingGroup([]), host_pids=lambda: True)
-    agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host)
+    agent = fake_hold_agent(cfg, node)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     try:
@@ -83,18 +100,10 @@ def test_a_root_whose_mark_failed_is_marked_once_it_can_be(
     from nodeagent.guards import peermem_hold
 
     monkeypatch.setattr(peermem_hold, "START_RETRY_S", 0.01)
-    for d in ("run/nvidia/driver", "run/other/driver"):
-        (tmp_path / d).mkdir(parents=True)
+    cfg = hold_config(tmp_path, ("run/nvidia/driver", "run/other/driver"))
     node = healthy_node(tmp_path, ready=False)
-    pol = PeermemPolicy(
-        hold_loads="fanotify",
-        hold_roots=("run/nvidia/driver", "run/other/driver"),
-        hold_containers=(),
-    )
-    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
     group = _RefusingMarks("run/other/driver")
-    host = HoldHost(group=lambda: group, host_pids=lambda: True)
-    agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host)
+    agent = fake_hold_agent(cfg, node, group)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     try:
@@ -123,21 +132,13 @@ def test_an_agent_killed_while_holding_is_said_by_the_next_one(tmp_path: Path) -
     agent says so in one record; after a clean stop the next one says nothing."""
     from nodeagent.guards.peermem_hold import RUNNING_FILE
 
-    (tmp_path / "run/nvidia/driver").mkdir(parents=True)
+    cfg = hold_config(tmp_path)
     node = healthy_node(tmp_path, ready=False)
-    pol = PeermemPolicy(
-        hold_loads="fanotify", hold_roots=("run/nvidia/driver",), hold_containers=()
-    )
-    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
     running = tmp_path / cfg.paths.state_dir / RUNNING_FILE
 
     def one_agent() -> list[dict[str, Any]]:
         recorded: list[dict[str, Any]] = []
-        host = HoldHost(group=lambda: OverflowingGroup([]), host_pids=lambda: True)
-        agent = Agent(
-            cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host,
-            on_record=recorded.append,
-        )  # fmt: skip
+        agent = fake_hold_agent(cfg, node, recorded=recorded)
         thread = threading.Thread(target=agent.run, daemon=True)
         thread.start()
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import threading
 from pathlib import Path
+from typing import Any
 
 from nodeagent.host.hold import HoldReport
 
@@ -31,27 +32,14 @@ def test_reports_the_loop_did_not_read_in_time_are_counted(tmp_path: Path) -> No
 
 
 def test_the_side_records_lost_reports_once_with_their_count(tmp_path: Path) -> None:
-    from nodeagent.agent import Agent
-    from nodeagent.config import Config
-    from nodeagent.core.peermem import PeermemPolicy
-    from nodeagent.host.hold import HoldHost
-
     from .healthy import healthy_node
-    from .test_fanotify_hold import OverflowingGroup
+    from .test_hold_order import fake_hold_agent, hold_config
     from .waiting import WAIT
 
-    (tmp_path / "run/nvidia/driver").mkdir(parents=True)
+    cfg = hold_config(tmp_path)
     node = healthy_node(tmp_path, ready=False)
-    pol = PeermemPolicy(
-        hold_loads="fanotify", hold_roots=("run/nvidia/driver",), hold_containers=()
-    )
-    cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
-    recorded: list[dict[str, object]] = []
-    host = HoldHost(group=lambda: OverflowingGroup([]), host_pids=lambda: True)
-    agent = Agent(
-        cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host,
-        on_record=recorded.append,
-    )  # fmt: skip
+    recorded: list[dict[str, Any]] = []
+    agent = fake_hold_agent(cfg, node, recorded=recorded)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     try:
