@@ -77,11 +77,12 @@ def test_only_an_opener_that_can_load_a_module_is_held(tmp_path: Path) -> None:
 
 
 def test_no_path_an_opener_picks_silences_the_responder(tmp_path: Path) -> None:
-    """64 held opens (the per-container cap) of the module file through a bind mount at a
-    3.5 KB deep path: the responder's state lists them with paths cut and the exact count,
-    and its heartbeat, a message of its own, keeps coming (issue 51: the state outgrew
-    its 64 KB cap, no heartbeat went out, the agent killed the responder as stuck after
-    10 s, and every held load went on with the gate closed)."""
+    """An unprivileged flood of 500 opens, then 64 held opens (the per-container cap) of
+    the module file, all through a bind mount at a 3.5 KB deep path: the responder's
+    state lists them with paths cut and the exact count, and its heartbeat, a message of
+    its own, keeps coming (issue 51: the state outgrew its 64 KB cap, no heartbeat went
+    out, the agent killed the responder as stuck after 10 s, and every held load went
+    on with the gate closed)."""
     from nodeagent.host.responder_main import PATH_LISTED
 
     root, driver = driver_root(tmp_path)
@@ -104,6 +105,14 @@ def test_no_path_an_opener_picks_silences_the_responder(tmp_path: Path) -> None:
         (ko,) = driver.rglob("nvidia-peermem.ko*")
         far = deep / ko.relative_to(driver)
         assert len(str(far)) > 3500
+        # An unprivileged flood first (a user namespace of its own, any count): all let go.
+        flood = 'i=0; while [ $i -lt 500 ]; do "$0" "$1" >/dev/null; i=$((i+1)); done'
+        done = subprocess.run(
+            ["unshare", "-U", "-r", "sh", "-c", flood, modprobe, str(far)], timeout=WAIT
+        )
+        assert done.returncode == 0
+        until(lambda: hold.counts.get("incapable") == 500, "the flood was not counted")
+        assert hold.held_count() == 0 and hold.alive()
         for _ in range(64):
             procs.append(subprocess.Popen([modprobe, str(far)], stdout=subprocess.DEVNULL))
         until(lambda: hold.held_count() == 64, "the 64 opens were not all held")
