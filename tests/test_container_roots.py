@@ -28,9 +28,10 @@ from nodeagent.core.hold import (
     split_cmdline,
 )
 from nodeagent.errors import NodeagentError
-from nodeagent.host.containers import RootScanner
+from nodeagent.host.containers import OVERLAYFS_SUPER_MAGIC, RootScanner
 from nodeagent.host.fanotify import FanotifyGroup, OpenedRoot, parse_marked_devices
 from nodeagent.host.hold import Responder, sees_host_pids
+from nodeagent.host.procevents import ExecEvents
 
 from . import containerroot
 from .containerroot import ENTRYPOINT, Container
@@ -264,20 +265,40 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
         responder.stop()
 
 
-def _scanner(rig: Rig, **kw: object) -> RootScanner:
+@pytest.fixture(params=["exec events", "poll"])
+def scan_mode(request: pytest.FixtureRequest) -> str:
+    """Both ways of noticing a start: the kernel's exec events, and the 0.1 s poll (where the
+    connector refuses); the same tests pass in both."""
+    return str(request.param)
+
+
+def _started(scanner: RootScanner, mode: str) -> RootScanner:
+    scanner.start()
+    until(lambda: scanner.mode != "starting", "the scanner did not choose a mode")
+    if mode == "exec events" and scanner.mode != "exec events":
+        scanner.stop()
+        pytest.skip(f"no exec events here: {scanner.mode}")
+    assert scanner.mode.startswith("exec events" if mode == "exec events" else "polling /proc")
+    return scanner
+
+
+def _scanner(rig: Rig, mode: str, **kw: object) -> RootScanner:
     scanner = RootScanner(
         rig.group.open_root,
         rig.group.marked_devices,
         DRIVER_CONTAINER_RULES,
         interval_s=0.02,
+        full_scan_s=0.5,  # the safety net's scans: retiring gone roots sooner
+        exec_events=ExecEvents if mode == "exec events" else None,
         **kw,  # type: ignore[arg-type]
     )
-    scanner.start()
-    return scanner
+    return _started(scanner, mode)
 
 
-def test_a_driver_container_is_marked_as_it_starts_and_dropped_when_it_goes(rig: Rig) -> None:
-    scanner = _scanner(rig)
+def test_a_driver_container_is_marked_as_it_starts_and_dropped_when_it_goes(
+    rig: Rig, scan_mode: str
+) -> None:
+    scanner = _scanner(rig, scan_mode)
     try:
         first = rig.start()
         until(lambda: scanner.roots(), "the driver container's root was not marked")
@@ -314,10 +335,10 @@ def test_a_driver_container_is_marked_as_it_starts_and_dropped_when_it_goes(rig:
         scanner.stop()
 
 
-def test_a_real_zombie_container_is_reported_gone_and_not_alive(rig: Rig) -> None:
+def test_a_real_zombie_container_is_reported_gone_and_not_alive(rig: Rig, scan_mode: str) -> None:
     """Its entrypoint exits and is not reaped: its pid stays listed in /proc as a zombie
     while the kernel drops its overlay's mark. Every time, no timing involved."""
-    scanner = _scanner(rig)
+    scanner = _scanner(rig, scan_mode)
     try:
         c = rig.start()
         until(lambda: scanner.roots(), "the driver container's root was not marked")
@@ -335,8 +356,8 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def test_only_matching_containers_and_only_their_own_overlay(rig: Rig) -> None:
-    scanner = _scanner(rig, recheck_s=0.5)
+def test_only_matching_containers_and_only_their_own_overlay(rig: Rig, scan_mode: str) -> None:
+    scanner = _scanner(rig, scan_mode, recheck_s=0.5)
     host_proc = None
     try:
         other = rig.start((ENTRYPOINT, "build"))
@@ -417,8 +438,6 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
 def test_a_wrapper_matches_before_its_chroot_and_is_marked_after_it(tmp_path: Path) -> None:
     """``chroot DIR nvidia-driver init`` matches the rule while its root is still the host's;
     the scanner must look again, not give up on the pid (a fake /proc, a fake clock)."""
-    from nodeagent.host.containers import OVERLAYFS_SUPER_MAGIC
-
     proc = tmp_path / "proc"
     (proc / "1").mkdir(parents=True)
     os.symlink("/proc", proc / "1/root")  # "the host's root": another device than tmp_path
@@ -481,12 +500,14 @@ def _refusals(scanner: RootScanner, pid: int) -> list[str]:
     ]
 
 
-def test_a_matching_container_that_can_never_load_a_module_is_not_marked(rig: Rig) -> None:
+def test_a_matching_container_that_can_never_load_a_module_is_not_marked(
+    rig: Rig, scan_mode: str
+) -> None:
     """Anyone can call a process ``nvidia-driver init``; one without CAP_SYS_MODULE in its
     bounding set (every unprivileged pod), or root only inside a user namespace of its own,
     can never load a module: its root is not marked, and the agent says why. A privileged
     one started beside them is."""
-    scanner = _scanner(rig, recheck_s=0.5)
+    scanner = _scanner(rig, scan_mode, recheck_s=0.5)
     try:
         unprivileged = rig.start(drop_sys_module=True)
         in_userns = rig.start(user_namespace=True)
@@ -509,7 +530,7 @@ def test_a_matching_container_that_can_never_load_a_module_is_not_marked(rig: Ri
 
 
 def test_a_root_flipped_between_check_and_mark_never_gets_its_new_root_marked(
-    rig: Rig,
+    rig: Rig, scan_mode: str
 ) -> None:
     """The process flips its root (chroot into a tmpfs) right after the scanner resolved
     it: the scanner checks and marks that one resolution, the overlay; the tmpfs is never
@@ -518,7 +539,15 @@ def test_a_root_flipped_between_check_and_mark_never_gets_its_new_root_marked(
 
     def open_then_flip(path: str) -> OpenedRoot | None:
         opened = rig.group.open_root(path)
-        if opened is not None and not flipped:
+        # Flipped once the resolution is the container's overlay (the one to be checked and
+        # marked): not a wrapper's root before its chroot (exec events read the wrapper
+        # too), nor another matching process's (a shared machine may run one).
+        if (
+            opened is not None
+            and not flipped
+            and path == f"/proc/{c.pid}/root"
+            and opened.fs_type == OVERLAYFS_SUPER_MAGIC
+        ):
             pid = int(path.split("/")[2])
             before = os.stat(path).st_dev
             assert c.proc.stdin is not None
@@ -533,9 +562,11 @@ def test_a_root_flipped_between_check_and_mark_never_gets_its_new_root_marked(
         rig.group.marked_devices,
         DRIVER_CONTAINER_RULES,
         interval_s=0.02,
+        full_scan_s=0.5,
+        exec_events=ExecEvents if scan_mode == "exec events" else None,
     )
     c = rig.start(flip_to_tmpfs=True)
-    scanner.start()
+    _started(scanner, scan_mode)
     try:
         until(lambda: scanner.roots(), "the container's root was not marked")
         (root,) = scanner.roots()

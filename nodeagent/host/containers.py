@@ -6,17 +6,29 @@ container's first ``modprobe``. The mark is placed through ``/proc/<pid>/root``
 (needs the host's PID namespace): the overlay is mounted only in the
 container's mount namespace, and the kernel resolves the magic link to it.
 
-How new processes are noticed: a short poll of ``/proc``, on a thread of its
-own. Of the ways the issue lists, the process connector needs
-``CAP_NET_ADMIN`` beyond the hold's own privileges and drops events under load
-(``ENOBUFS``), so it would need this poll as a backstop anyway; a pidfd needs
-the pid first. The poll lists ``/proc`` (tens of microseconds for a hundred
-processes, ``bench/container_mark.py`` has the figures) and reads the command
-line of new processes only. A runtime's ``runc init`` becomes the entrypoint at
-``exec``, later than the pid appears, so a process is read again on each scan
-while it is young (``recheck_s``); a match whose root is not yet an overlay of
-its own (a wrapper before its ``chroot``) is looked at again too, and named
-only if it still is not when its window ends.
+How new processes are noticed: the kernel's exec events
+(``host/procevents.py``: the process events connector), on a thread of its own.
+A runtime's ``runc init`` becomes the entrypoint at ``exec``, later than its pid
+appears, so an exec event is exactly the moment to look: the scanner reads the
+command line of exec'd processes only, as each event arrives. The subscription
+needs ``CAP_NET_ADMIN`` (the base DaemonSet grants it), the host's network
+namespace (``hostNetwork``: the connector lives in the initial one only) and the
+host's user and pid namespaces (``hostPID``, which marking through
+``/proc/<pid>/root`` needs anyway). A full look at ``/proc`` every
+``full_scan_s`` (2 s) stays as the safety net: the kernel drops an event it
+cannot allocate without a word; a loss the socket reports (``ENOBUFS``) is a
+full scan at once that reads every command line again (any process may have
+exec'd meanwhile). Where the connector refuses (no ack within a second: outside
+the host's user or pid namespace; a bind or send refused) the scanner polls
+``/proc`` every ``interval_s`` (0.1 s) as before, and says so in status
+(``hold.container_scan.mode``) and once as a problem. The full scan lists
+``/proc`` and reads the command line of new processes only, and reads a
+process again on each scan while it is young (``recheck_s``): with exec events
+that is the backstop, polling it is how the entrypoint's exec is seen. A match
+whose root is not yet an overlay of its own (a wrapper before its ``chroot``) is
+looked at again every ``interval_s`` while young too, and named only if it
+still is not when its window ends. ``bench/container_mark.py`` has the figures
+of both modes (start → mark, and CPU at idle with a busy process table).
 
 Which processes: ``core/hold.py`` decides from the command line first. A
 match is marked only when its process can load a module at all: ``CAP_SYS_MODULE``
@@ -48,6 +60,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,11 +69,13 @@ from typing import Any
 
 from nodeagent.core.hold import matching_rule, split_cmdline
 from nodeagent.host.fanotify import OpenedRoot
+from nodeagent.host.procevents import ConnectorRefused, ExecEvents
 
 OVERLAYFS_SUPER_MAGIC = 0x794C7630
 CMDLINE_BYTES = 4096
 STATUS_BYTES = 8192
 CAP_SYS_MODULE = 16
+FULL_SCAN_S = 2.0  # with exec events: the safety net's period
 
 
 @dataclass(frozen=True)
@@ -126,8 +141,9 @@ def _stat_dev(path: str) -> int | None:
 
 
 class RootScanner:
-    """Polls ``/proc`` for driver containers and marks each new root; reports go to
-    ``reports`` (records for the loop) and ``on_report`` is called (it must not block)."""
+    """Finds driver containers as they exec (or by polling ``/proc``) and marks each new
+    root; reports go to ``reports`` (records for the loop) and ``on_report`` is called (it
+    must not block)."""
 
     def __init__(
         self,
@@ -142,17 +158,28 @@ class RootScanner:
         on_report: Callable[[], None] = lambda: None,
         dev_of: Callable[[str], int | None] | None = None,
         may_load: Callable[[int], str | None] | None = None,
+        exec_events: Callable[[], ExecEvents] | None = ExecEvents,
+        full_scan_s: float = FULL_SCAN_S,
     ) -> None:
         """``open_root``: the group's (``FanotifyGroup.open_root``): a root resolved once,
         checked and marked through that one resolution. ``dev_of``: a path's device (the
         host's root, a container's liveness; ``stat``). ``may_load``: why a pid can never
-        load a module, or None (``module_loader_check``; the simulator gives its own)."""
+        load a module, or None (``module_loader_check``; the simulator gives its own).
+        ``exec_events``: subscribes to the kernel's exec events or raises
+        ``ConnectorRefused`` (None: poll only); with them, the full scan runs every
+        ``full_scan_s``, else every ``interval_s``."""
         self.open_root = open_root
         self.marked_devices = marked_devices
         self.rules = tuple(rules)
         self.proc = proc
         self.interval_s = interval_s
         self.recheck_s = recheck_s
+        self.exec_events = exec_events
+        self.full_scan_s = full_scan_s
+        self.mode = "starting"  # for status: "exec events" or "polling /proc every ...: why"
+        self.rescans = 0  # full scans at once after events were lost
+        self._events: ExecEvents | None = None
+        self._wake: tuple[int, int] | None = None  # a pipe: stop() wakes a waiting scanner
         self.clock = clock
         self.on_report = on_report
         self._dev = dev_of or _stat_dev
@@ -182,12 +209,22 @@ class RootScanner:
 
     def start(self) -> None:
         self.prepare()
+        self._wake = os.pipe()
         self._thread.start()
 
     def stop(self, timeout: float = 1.0) -> None:
         self._stop.set()
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(OSError):
+                os.write(wake[1], b"x")
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if wake is not None and not self._thread.is_alive():
+            self._wake = None
+            for fd in wake:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def roots(self) -> list[ContainerRoot]:
         with self._lock:
@@ -195,13 +232,103 @@ class RootScanner:
 
     # -- the scanner ------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.scan()
-            self._stop.wait(self.interval_s)
+    def status(self) -> dict[str, Any]:
+        """How new processes are noticed, for status: the mode and its counters."""
+        events = self._events
+        return {
+            "mode": self.mode,
+            "full_scans": self.scans,
+            "exec_events": events.execs if events is not None else 0,
+            "overruns": events.overruns if events is not None else 0,
+            "rescans_after_loss": self.rescans,
+        }
 
-    def scan(self) -> None:
-        """One look at ``/proc``: mark new driver containers' roots, retire gone ones."""
+    def _run(self) -> None:
+        self.scan()  # at once: a refused subscription takes its ack timeout
+        why = ""
+        if self.exec_events is not None:
+            try:
+                self._events = self.exec_events()
+            except ConnectorRefused as exc:
+                why = f"the process events connector refused: {exc}"
+            except OSError as exc:
+                why = f"the process events connector failed: {exc.strerror or exc}"
+        if self._events is not None:
+            self.mode = "exec events"
+            try:
+                self._follow_execs(self._events)
+                return
+            except OSError as exc:  # the socket failed: the poll takes over
+                why = f"exec events failed: {exc.strerror or exc}"
+            finally:
+                self._events.close()
+        self.mode = f"polling /proc every {self.interval_s:g} s: {why or 'exec events off'}"
+        if why:
+            self._problem(self.mode)
+        while not self._stop.wait(self.interval_s):
+            self.scan()
+
+    def _follow_execs(self, events: ExecEvents) -> None:
+        """Subscribed before the first full scan, so no exec falls between the two. An
+        exec'd process is read as its event arrives: a runtime's ``runc init`` becomes the
+        entrypoint at that exec. The full scan every ``full_scan_s`` is the safety net for
+        what the kernel drops without a word (an event it cannot allocate); a loss the
+        socket reports (``ENOBUFS``) is a full scan at once, every command line read."""
+        self.scan()
+        next_full = self.clock() + self.full_scan_s
+        poller = select.poll()
+        poller.register(events.fileno(), select.POLLIN)
+        if self._wake is not None:
+            poller.register(self._wake[0], select.POLLIN)
+        while not self._stop.is_set():
+            now = self.clock()
+            wait_s = next_full - now
+            if self._not_yet:  # a match not markable yet: looked at again like the poll does
+                wait_s = min(wait_s, self.interval_s)
+            poller.poll(max(0, int(wait_s * 1000) + 1))
+            if self._stop.is_set():
+                return
+            pids, lost = events.read()
+            if lost:
+                self.rescans += 1
+                self.scan(reread_all=True)
+                next_full = self.clock() + self.full_scan_s
+                continue
+            for pid in pids:
+                self.exec_seen(pid)
+            if self._not_yet:
+                self.recheck_not_yet()
+            if self.clock() >= next_full:
+                self.scan()
+                next_full = self.clock() + self.full_scan_s
+
+    def exec_seen(self, pid: int) -> None:
+        """``pid`` exec'd: read its command line now (the young window restarts)."""
+        now = self.clock()
+        self._young.pop(pid, None)
+        if self._check(pid, now) or pid not in self._not_yet:
+            self._settled.add(pid)  # its next change of command is another exec
+        else:
+            self._young[pid] = now  # a match not markable yet: its window starts
+            self._settled.discard(pid)
+
+    def recheck_not_yet(self) -> None:
+        """Look again at young matches not markable yet; name those whose window ended."""
+        now = self.clock()
+        for pid in list(self._not_yet):
+            first = self._young.get(pid, now)
+            done = self._check(pid, first)
+            if done or now - first >= self.recheck_s:
+                self._young.pop(pid, None)
+                self._settled.add(pid)
+                refused = self._not_yet.pop(pid, None)
+                if refused is not None and not done:
+                    self._refuse(pid, *refused)
+
+    def scan(self, *, reread_all: bool = False) -> None:
+        """One look at ``/proc``: mark new driver containers' roots, retire gone ones.
+        ``reread_all``: every process's command line read again (exec events were lost:
+        any process may have exec'd since it was read)."""
         self.scans += 1
         now = self.clock()
         try:
@@ -214,6 +341,11 @@ class RootScanner:
         young = {p: t for p, t in self._young.items() if p in pids}
         for pid in pids - self._settled - young.keys():
             young[pid] = now
+        if reread_all:
+            for pid in self._settled & pids:
+                if not self._check(pid, now) and pid in self._not_yet:
+                    young[pid] = now  # a match not markable yet: its window starts
+                    self._settled.discard(pid)
         for pid, first in list(young.items()):
             done = self._check(pid, first)
             if done or now - first >= self.recheck_s:

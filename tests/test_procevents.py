@@ -1,0 +1,239 @@
+"""The kernel's process events connector as the container scanner uses it, on this kernel.
+
+Run inside the Debian 6.1 guest too (the facts in ``nodeagent/host/procevents.py``)::
+
+    .venv/bin/python -m tests.realkernel.vm .venv/bin/python -m pytest -q tests/test_procevents.py
+
+A subscription is real (``NETLINK_CONNECTOR``); where this process cannot subscribe
+(no ``CAP_NET_ADMIN``, not in the host's namespaces) the tests that need one are skipped
+with the connector's own reason. The refusals themselves are real too: a child in a new
+pid namespace, or a new network namespace, asks the same kernel.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeagent.core.hold import DRIVER_CONTAINER_RULES
+from nodeagent.host.containers import RootScanner
+from nodeagent.host.fanotify import OpenedRoot
+from nodeagent.host.procevents import ConnectorRefused, ExecEvents
+
+from .waiting import until
+
+
+@pytest.fixture
+def events() -> Iterator[ExecEvents]:
+    try:
+        ev = ExecEvents()
+    except ConnectorRefused as exc:
+        print(f"the connector refuses this process: {exc}")
+        pytest.skip(f"the connector refuses this process: {exc}")
+    try:
+        yield ev
+    finally:
+        ev.close()
+
+
+def _seen(ev: ExecEvents, pid: int) -> bool:
+    return pid in ev.read()[0]
+
+
+def test_a_real_exec_of_a_child_is_seen_with_its_new_command_line(events: ExecEvents) -> None:
+    """The event comes after the new image is in place: the command line read then is the
+    new one, a ``#!`` script's included (one event, after its interpreter is loaded)."""
+    child = subprocess.Popen(["/bin/sh", "-c", "read x"], stdin=subprocess.PIPE)
+    try:
+        until(lambda: _seen(events, child.pid), "the child's exec was not seen")
+        assert Path(f"/proc/{child.pid}/cmdline").read_bytes() == b"/bin/sh\0-c\0read x\0"
+    finally:
+        child.communicate(b"\n")
+    assert events.execs >= 1 and events.overruns == 0
+
+
+def _refusal_in(prefix: list[str]) -> str:
+    code = (
+        "from nodeagent.host.procevents import ExecEvents, ConnectorRefused\n"
+        "try:\n    ExecEvents(ack_timeout_s=1.0).close(); print('SUBSCRIBED')\n"
+        "except ConnectorRefused as e:\n    print('REFUSED', e)\n"
+    )
+    p = subprocess.run(
+        [*prefix, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=60,
+    )
+    if p.returncode != 0:
+        pytest.skip(f"{' '.join(prefix)} does not run here: {p.stderr.strip()[-200:]}")
+    return p.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("prefix", "why"),
+    [
+        # The kernel answers nothing outside the initial pid namespace.
+        (["unshare", "--pid", "--fork"], "no answer to the subscription"),
+        # 6.1 refuses to bind the group outside the host's user namespace; 6.6+ bind and
+        # answer nothing: either way a refusal.
+        (["unshare", "--user", "--map-root-user"], ""),
+        # No connector in a network namespace other than the initial one.
+        (["unshare", "--net"], "Connection refused"),
+    ],
+)
+def test_outside_the_hosts_namespaces_the_connector_refuses(
+    events: ExecEvents, prefix: list[str], why: str
+) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not installed")
+    out = _refusal_in(prefix)
+    assert out.startswith("REFUSED") and why in out, out
+
+
+class NeverAcks:
+    """A socket the kernel never answers (as outside the host's namespaces): every call
+    takes, nothing ever arrives. The seam is ``ExecEvents(make_socket=...)``."""
+
+    def __init__(self) -> None:
+        self.a, self.b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def bind(self, address: tuple[int, int], /) -> None:
+        pass
+
+    def sendto(self, data: bytes, address: tuple[int, int], /) -> int:
+        return len(data)
+
+    def recv(self, bufsize: int, /) -> bytes:
+        return self.a.recv(bufsize)
+
+    def setsockopt(self, level: int, optname: int, value: int, /) -> None:
+        pass
+
+    def setblocking(self, flag: bool, /) -> None:
+        self.a.setblocking(flag)
+
+    def fileno(self) -> int:
+        return self.a.fileno()
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+class FakeProc:
+    """A ``/proc`` holding one process, pid 4242, whose root is an overlay (device 77)."""
+
+    def __init__(self, tmp: Path, argv: bytes) -> None:
+        self.dir = tmp / "proc"
+        (self.dir / "4242").mkdir(parents=True)
+        self.set_cmdline(argv)
+        self.marks: set[int] = set()
+
+    def set_cmdline(self, argv: bytes) -> None:
+        (self.dir / "4242" / "cmdline").write_bytes(argv)
+
+    def scanner(self, **kw: object) -> RootScanner:
+        def dev_of(path: str) -> int | None:
+            return {"1": 1, "self": 2}.get(path.split("/")[-2], 77)
+
+        def open_root(path: str) -> OpenedRoot | None:
+            return OpenedRoot(
+                77, 0x794C7630, lambda: self.marks.add(77), lambda: None, lambda: None
+            )
+
+        return RootScanner(
+            open_root,
+            lambda: set(self.marks),
+            DRIVER_CONTAINER_RULES,
+            proc=str(self.dir),
+            dev_of=dev_of,
+            may_load=lambda pid: None,
+            **kw,  # type: ignore[arg-type]
+        )
+
+
+DRIVER = b"/bin/sh\0/usr/local/bin/nvidia-driver\0init\0"
+
+
+def test_no_ack_means_refused_and_the_scanner_polls_every_interval(tmp_path: Path) -> None:
+    with pytest.raises(ConnectorRefused, match=r"no answer to the subscription within 0\.2 s"):
+        ExecEvents(make_socket=NeverAcks, ack_timeout_s=0.2)
+    fake = FakeProc(tmp_path, b"sleep\0")
+    scanner = fake.scanner(exec_events=lambda: ExecEvents(make_socket=NeverAcks, ack_timeout_s=0.2))
+    scanner.start()
+    try:
+        until(lambda: scanner.mode != "starting", "the scanner did not choose a mode")
+        assert scanner.mode.startswith("polling /proc every 0.1 s: the process events connector")
+        assert "no answer to the subscription" in scanner.mode
+        problems = [r["problem"] for r in list(scanner.reports) if r["kind"] == "state-problem"]
+        assert any("polling /proc every 0.1 s" in p for p in problems)
+        fake.set_cmdline(DRIVER)  # young: the poll reads it again and marks it
+        until(lambda: scanner.roots(), "the polling scanner did not mark the root")
+        assert scanner.status()["mode"] == scanner.mode
+    finally:
+        scanner.stop()
+
+
+def test_events_lost_are_a_full_rescan_that_reads_every_command_line(tmp_path: Path) -> None:
+    """Pure bookkeeping: a process read and settled that exec'd while events were lost is
+    read again by ``scan(reread_all=True)``, never by a plain scan."""
+    fake = FakeProc(tmp_path, b"runc\0init\0")
+    scanner = fake.scanner(recheck_s=0.0, exec_events=None)
+    scanner.prepare()
+    scanner.scan()  # read once, too old to be read again
+    fake.set_cmdline(DRIVER)  # its exec, whose event was lost
+    scanner.scan()
+    assert scanner.roots() == []
+    scanner.scan(reread_all=True)
+    assert [r.pid for r in scanner.roots()] == [4242]
+
+
+def test_a_real_overrun_is_counted_and_rescanned_at_once(
+    tmp_path: Path, events: ExecEvents
+) -> None:
+    """A real ``ENOBUFS``: a receive buffer of the kernel's minimum, the scanner held inside
+    one exec's handling (its clock blocks) while 200 children exec. The full scan's period
+    is an hour, so only the rescan on the loss reads the settled process that exec'd into
+    the entrypoint meanwhile."""
+    fake = FakeProc(tmp_path, b"runc\0init\0")
+    gate = threading.Event()
+    gate.set()
+    blocked = threading.Event()
+
+    def clock() -> float:
+        if not gate.is_set():
+            blocked.set()
+            gate.wait()
+        return 0.0
+
+    scanner = fake.scanner(
+        recheck_s=0.0,
+        full_scan_s=3600.0,
+        clock=clock,
+        exec_events=lambda: ExecEvents(rcvbuf=1),
+    )
+    scanner.start()
+    try:
+        until(lambda: scanner.mode == "exec events", f"no exec events: {scanner.mode}")
+        until(lambda: 4242 in scanner._settled, "the first full scan did not read pid 4242")
+        gate.clear()
+        subprocess.run(["/bin/true"])
+        until(blocked.is_set, "the scanner did not take the exec")
+        for _ in range(200):
+            subprocess.run(["/bin/true"])
+        fake.set_cmdline(DRIVER)
+        gate.set()
+        until(lambda: scanner.roots(), "the root was not marked after the loss")
+        status = scanner.status()
+        assert status["overruns"] >= 1 and status["rescans_after_loss"] >= 1, status
+    finally:
+        gate.set()
+        scanner.stop()
