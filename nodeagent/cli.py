@@ -207,7 +207,8 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
         exporters = build_exporters(cfg, once)
         try:
             agent = build_agent(cfg, exporters=exporters)
-            with StopOnSignal(agent.stop, grace_seconds=1.5):
+            with StopOnSignal(agent.stop_on_signal, grace_seconds=1.5) as signals:
+                signals.stop_now = agent.stop
                 agent.run(once=once)
         finally:
             exporters.close()

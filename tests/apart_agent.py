@@ -5,7 +5,8 @@ run`` does (``loop.wiring.build_agent``, enforce mode, ``hold_loads =
 "fanotify"``, ``hold_roots = ["run/nvidia/driver"]``) on a simulated healthy node
 under ROOT, without MOFED's ready flag, so the gate stays closed. Its module
 operations are the simulated kernel's, so nothing it decides reaches this
-host's kernel. It runs until SIGTERM, and prints nothing: tests read its
+host's kernel. It runs until SIGTERM (draining first, as the daemon does, while a
+load is held with the gate closed), and prints nothing: tests read its
 ``status.json`` as an admin would.
 
 The caller mounts a tmpfs at ``ROOT/run/nvidia/driver`` first (the marked
@@ -14,12 +15,12 @@ filesystem: the driver tree lands on it).
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.host.events import StopOnSignal
 from nodeagent.host.ports import HostPorts
 from nodeagent.loop.agent import Agent
 from nodeagent.loop.wiring import LoopHooks, build_agent
@@ -52,10 +53,13 @@ def build(root: Path, hooks: LoopHooks | None = None) -> tuple[Agent, Node]:
 
 
 def main(argv: list[str]) -> int:
+    """As ``nodeagent run`` stops: SIGTERM through ``StopOnSignal`` (a drain first while a
+    load is held with the gate closed; a second signal stops at once)."""
     agent, node = build(Path(argv[1]))
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     try:
-        agent.run()
+        with StopOnSignal(agent.stop_on_signal, grace_seconds=1.5) as signals:
+            signals.stop_now = agent.stop
+            agent.run()
     finally:
         node.kernel.uevent_source.close()
     return 0

@@ -347,7 +347,7 @@ def test_the_shipped_default_grants_no_hold_privileges(directory: Path) -> None:
 @pytest.mark.parametrize(
     ("plain", "with_hold"), [(BASE, HOLD), (OPENSHIFT, HOLD_OPENSHIFT)], ids=["base", "openshift"]
 )
-def test_the_hold_component_adds_host_pids_and_two_capabilities_only(
+def test_the_hold_component_adds_host_pids_two_capabilities_and_a_grace_only(
     plain: Path, with_hold: Path
 ) -> None:
     before, after = by_kind(rendered(plain), "DaemonSet"), by_kind(rendered(with_hold), "DaemonSet")
@@ -368,6 +368,9 @@ def test_the_hold_component_adds_host_pids_and_two_capabilities_only(
     pod = expected["spec"]["template"]["spec"]
     pod["hostPID"] = True
     pod["containers"][0]["securityContext"]["capabilities"]["add"] += HOLD_CAPS
+    # A stop with a load held drains up to the hold's budget (900 s): issue 52.
+    assert spec["terminationGracePeriodSeconds"] == 930
+    pod["terminationGracePeriodSeconds"] = 930
     (config,) = [v for v in pod["volumes"] if v["name"] == "config"]
     (hold_config,) = [v for v in spec["volumes"] if v["name"] == "config"]
     assert hold_config["configMap"]["name"] != config["configMap"]["name"]

@@ -167,6 +167,16 @@ def test_the_toggles_do_what_they_say() -> None:
         "SYS_PTRACE",
     ]
     assert agent_toml(hold)["peermem"]["hold_loads"] == "fanotify"
+    # A stop drains a held load up to the hold's budget: the grace follows it (issue 52).
+    assert pod["terminationGracePeriodSeconds"] == 930
+    budget = {
+        **HOLD_ON,
+        "agent": {"mode": "enforce", "extraConfig": {"peermem": {"hold_budget_seconds": 300}}},
+    }
+    short = one(render(budget), "DaemonSet")["spec"]["template"]["spec"]
+    assert short["terminationGracePeriodSeconds"] == 330
+    plain = one(render(), "DaemonSet")["spec"]["template"]["spec"]
+    assert plain["terminationGracePeriodSeconds"] == 30
     assert "The peermem hold is on" in notes(HOLD_ON)
     scc = one(render(TOGGLES["openshift+hold"]), "SecurityContextConstraints")
     assert scc["allowHostPID"] is True and "SYS_PTRACE" in scc["allowedCapabilities"]

@@ -398,6 +398,19 @@ class PeermemHold(GuardSide):
     def gate_closing(self) -> None:
         self._follow(False)
 
+    def draining(self) -> bool:
+        """A load held with the gate closed: a stop now would let it go (issue 52)."""
+        return (
+            self.hold is not None
+            and self.hold.alive()
+            and not self.gate_open
+            and self._held_count() > 0
+        )
+
+    def drain_seconds(self) -> float:
+        """At most the hold's budget: each held open ends by then whatever the gate."""
+        return float(self.ctx.policy.hold_budget_s) if self.draining() else 0.0
+
     def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
         """A held load goes on only when ``wait`` would, or when the guard says no wait can
         help (a load the kernel refuses either way)."""

@@ -24,6 +24,9 @@ gate. A guard that needs more from the node brings it here, through one
   gates' leases are renewed: a side that keeps a lease of its own in step with
   its gate (the hold's responder apart) renews it here, and a stuck loop renews
   nothing;
+- ``drain_seconds()``, ``draining()``: at SIGTERM, how long the agent keeps
+  running so that what the side holds is not let go with its gate closed,
+  and whether it still does (the agent stops as soon as no side does);
 - ``status()``: its part of ``status.json`` under ``status_key``;
 - ``problems()``: what is wrong with it now, said in every pass's status (e.g. a
   hold configured and not holding); never held against a gate;
@@ -109,6 +112,15 @@ class GuardSide:
     def beat(self, published: bool, vouches: Callable[[], bool]) -> None:
         """Between passes, after the gates' leases: ``published``, this guard's gate file
         is still open; ``vouches()``, the last pass's decision still stands."""
+
+    def drain_seconds(self) -> float:
+        """Asked at SIGTERM: how long the agent should keep running before it stops, so
+        that what this side holds is not let go with its gate closed (0: stop now)."""
+        return 0.0
+
+    def draining(self) -> bool:
+        """While the agent drains: does this side still hold something it must not let go?"""
+        return False
 
     def gate_closing(self) -> None:
         """Its guard's gate file is about to be withdrawn (whatever the reason): close what

@@ -452,12 +452,17 @@ class StopOnSignal:
     period (a pass stuck in a read or a module load), the process exits there
     and then with 143: every file the agent writes is written atomically and
     guard memory ahead of actions, so this costs at most the pass in flight.
+
+    ``stop`` may return seconds the agent drains first (``Agent.stop_on_signal``: a load
+    held with its gate closed): the grace is counted from the drain's end, and a second
+    signal meanwhile stops at once.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, stop: Callable[[], None], grace_seconds: float = 1.5) -> None:
+    def __init__(self, stop: Callable[[], float | None], grace_seconds: float = 1.5) -> None:
         self.stop = stop
+        self.stop_now: Callable[[], object] = stop  # (a second signal; the caller may set it)
         self.grace = grace_seconds
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -475,7 +480,14 @@ class StopOnSignal:
         if self._done.is_set():
             return  # woken by __exit__
         log.info("%s: stopping", signal.Signals(sig).name)
-        self.stop()
+        drain = self.stop() or 0.0
+        if drain > 0:
+            again = signal.sigtimedwait(self.SIGNALS, drain)
+            if self._done.is_set():
+                return
+            if again is not None:  # a second signal: stop now
+                log.warning("%s again: stopping now", signal.Signals(again.si_signo).name)
+                self.stop_now()
         if not self._done.wait(self.grace):
             log.error(
                 "%s: the pass in flight did not finish within %.1fs; exiting now",

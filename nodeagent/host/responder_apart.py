@@ -437,10 +437,13 @@ class ResponderProcess:
             self.beats += 1  # (its arrival is what the reader counts as a sign of life)
         elif kind == "state":
             with self._lock:
+                before = self._state.get("held_count")
                 self._state, self._state_at = msg, time.monotonic()
                 counts = msg.get("counts")
                 if isinstance(counts, dict):
                     self._counts.update({k: int(v) for k, v in counts.items() if k in COUNT_KEYS})
+            # A load newly held (or let go): a pass, so status says it now, not at the resync.
+            return msg.get("held_count") != before
         return False
 
     # -- the end --------------------------------------------------------------------

@@ -74,6 +74,9 @@ class Agent:
         self.waiting = threading.Event()
         # Heartbeats between passes (``renew_leases``), counted for tests and benches.
         self.beats = 0
+        # Set by a SIGTERM that found a load held with its gate closed: the loop goes on
+        # until no side holds one or this moment passes (``stop_on_signal``).
+        self.drain_until: float | None = None
         # The pass's collaborators, named here for the run loop, tests and tools.
         self.clock = passes.clock
         self.reconciler = passes.reconciler
@@ -143,6 +146,32 @@ class Agent:
     def stop(self) -> None:
         self.stopping.set()
         self.poke.poke("stop")
+
+    def stop_on_signal(self) -> float:
+        """SIGTERM: stop now, or first drain: while a side holds a load with its gate
+        closed (the hold), a stop would let it go with the gate closed, the very race the
+        agent prevents (a rollout of nodeagent during MOFED's restart: issue 52). The loop
+        goes on (passes, leases, the responder) until no side holds one or the longest
+        side's bound passes; returns that bound in seconds (0: stopping now)."""
+        drain = max((side.drain_seconds() for side in self.sides.values()), default=0.0)
+        if drain <= 0 or self.stopping.is_set():
+            self.stop()
+            return 0.0
+        self.drain_until = self.clock() + drain
+        log.warning(
+            "stop asked while a load is held with its gate closed: draining for up to %gs "
+            "(until the gate opens or the hold's budget ends; a second signal stops now)",
+            drain,
+        )
+        self.record({"kind": "draining", "seconds": drain})
+        self.poke.poke("drain")
+        return drain
+
+    def _drained(self, now: float) -> bool:
+        """Draining, and nothing is left to drain (or its time is up)."""
+        if self.drain_until is None:
+            return False
+        return now >= self.drain_until or not any(s.draining() for s in self.sides.values())
 
     def close(self) -> None:
         """Release an agent driven by ``run_pass`` (``run`` releases its own at the end)."""
@@ -218,6 +247,9 @@ class Agent:
                 schedule.failed(self.clock())
             now = self.clock()
             schedule.after(now)
+            if self._drained(now):  # a pass let the held load go (the gate opened)
+                self.stop()
+                break
             # Between passes the loop beats every RENEW_S while a gate is open, a withdrawal
             # failed or an exporter keeps a heartbeat: the lease proves the loop, not a thread.
             # A beat renews and writes heartbeats, nothing else: only an event or a pass
@@ -229,6 +261,8 @@ class Agent:
                     or any(side.needs_beat() for side in self.sides.values())
                 )
                 deadline, wait = schedule.next_wake(now, beat)
+                if self.drain_until is not None:
+                    wait = max(0.0, min(wait, self.drain_until - now))
                 self.waiting.set()
                 try:
                     woken_by = waker.wait(wait)
@@ -237,6 +271,8 @@ class Agent:
                 if woken_by:  # a file just created: its writer closes it first
                     woken_by += watch.settle(SETTLE_S)
                 now = self.clock()
+                if self._drained(now):
+                    self.stop()
                 if woken_by or self.stopping.is_set():
                     break
                 if now >= deadline:
