@@ -133,6 +133,16 @@ def module_loader_check(proc: str = "/proc") -> Callable[[int], str | None]:
     return why_not
 
 
+def _read_head(path: str, size: int) -> bytes:
+    """The first ``size`` bytes of a file: open, one read, close (``open()`` adds an
+    ``fstat``, an ``ioctl`` and an ``lseek``; this runs once per exec on the node)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _stat_dev(path: str) -> int | None:
     try:
         return os.stat(path).st_dev
@@ -288,7 +298,7 @@ class RootScanner:
             poller.poll(max(0, int(wait_s * 1000) + 1))
             if self._stop.is_set():
                 return
-            pids, lost = events.read()
+            pids, lost = events.read(1)  # one a wake: poll says when there is more
             if lost:
                 self.rescans += 1
                 self.scan(reread_all=True)
@@ -360,8 +370,7 @@ class RootScanner:
     def _check(self, pid: int, first_seen: float) -> bool:
         """True when ``pid`` needs no further look (matched and handled)."""
         try:
-            with open(f"{self.proc}/{pid}/cmdline", "rb") as f:
-                argv = split_cmdline(f.read(CMDLINE_BYTES))
+            argv = split_cmdline(_read_head(f"{self.proc}/{pid}/cmdline", CMDLINE_BYTES))
         except OSError:
             return False  # gone, or a kernel thread racing: the listing settles it
         rule = matching_rule(argv, self.rules)

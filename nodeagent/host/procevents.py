@@ -213,10 +213,10 @@ class ExecEvents:
                 "(needs CAP_NET_ADMIN)"
             )
 
-    def _drain(self) -> None:
-        """Read what is queued (at most ``DRAIN_MAX`` datagrams): exec'd pids to
-        ``_pending``, our ack's err to ``_verdict``, an overrun to ``_lost``."""
-        for _ in range(DRAIN_MAX):
+    def _drain(self, most: int = DRAIN_MAX) -> None:
+        """Read what is queued (at most ``most`` datagrams): exec'd pids to ``_pending``,
+        our ack's err to ``_verdict``, an overrun to ``_lost``."""
+        for _ in range(most):
             try:
                 data = self.sock.recv(RECV_BYTES)
             except BlockingIOError:
@@ -237,11 +237,12 @@ class ExecEvents:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> tuple[list[int], bool]:
+    def read(self, most: int = DRAIN_MAX) -> tuple[list[int], bool]:
         """The pids that exec'd (in order, repeats kept out) and whether events were lost
-        (``ENOBUFS``) since the last read. Never blocks; reads at most ``DRAIN_MAX``
-        datagrams (call again while the socket is readable)."""
-        self._drain()
+        (``ENOBUFS``) since the last read. Never blocks; reads at most ``most`` datagrams
+        (call again while the socket is readable: a caller that polls reads one a wake,
+        and saves the ``recv`` that would only say ``EAGAIN``)."""
+        self._drain(most)
         pids, self._pending = self._pending, []
         lost, self._lost = self._lost, False
         return list(dict.fromkeys(pids)), lost
