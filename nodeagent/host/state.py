@@ -72,7 +72,17 @@ class StateStore:
             return reconciler.initial_memory(), []
         try:
             data = strict_json(self.host.read_bytes(self.memory_rel, STATE_MAX))
-            if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+            version = data.get("version") if isinstance(data, dict) else None
+            if type(version) is int and version > STATE_VERSION:
+                # A downgrade: the newer agent's memory is kept aside (an upgrade back finds
+                # it there), not read as this version's.
+                problem = self._report(
+                    f"state file was written by a newer nodeagent (state version {version}; "
+                    f"this one reads version {STATE_VERSION}: a downgrade)",
+                    read_only,
+                )
+                return reconciler.initial_memory(), [problem]
+            if not isinstance(data, dict) or version != STATE_VERSION:
                 raise ValueError(f"not a version-{STATE_VERSION} state object")
             guards = data.get("guards")
             if not isinstance(guards, dict):

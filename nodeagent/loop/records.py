@@ -24,7 +24,7 @@ from nodeagent.core.guard import Verdict
 from nodeagent.core.reconcile import AgentMemory, Reconciler
 from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.errors import NodeagentError
-from nodeagent.host.state import StateStore
+from nodeagent.host.state import STATE_VERSION, StateStore
 from nodeagent.loop.workers import FinishedPlan, PlanWorkers
 from nodeagent.timeline import Timeline, bounded
 
@@ -200,6 +200,7 @@ def status_document(
     return bounded(
         {
             "version": __version__,
+            "state_version": STATE_VERSION,  # the memory file's schema this agent writes
             "time": wall(),  # readers compare it with their own wall clock
             "mode": mode,
             "kernel": snap.kernel,
