@@ -416,6 +416,8 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
                 return []
 
         until(listed, "status.json does not list the root")
+        scan = json.loads(status_file.read_text())["hold"]["container_scan"]
+        assert scan["mode"] == "exec events" or scan["mode"].startswith("polling /proc every")
         (entry,) = listed()
         dev = os.stat(f"/proc/{c.pid}/root").st_dev
         assert entry["pid"] == c.pid and entry["dev"] == f"{os.major(dev)}:{os.minor(dev)}"

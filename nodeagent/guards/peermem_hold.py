@@ -486,6 +486,8 @@ class PeermemHold(GuardSide):
                 {"pid": pid, "command": command, "why": why}
                 for pid, command, why in (list(self.containers.refused) if self.containers else [])
             ],
+            # How starts are noticed: "exec events", or "polling /proc every 0.1 s: <why>".
+            "container_scan": self.containers.status() if self.containers else None,
         }
 
     def stop(self) -> None:
@@ -594,6 +596,7 @@ class PeermemHold(GuardSide):
             "descriptors": None,
             "container_roots": [],
             "not_marked": [],
+            "container_scan": None,
         }
 
     def _let_go(self, why: str) -> None:
