@@ -565,9 +565,11 @@ class Waker:
     def wait(self, timeout: float | None) -> list[str]:
         if timeout is not None and timeout < 0:
             timeout = 0
-        if any(getattr(s, "holds", False) for s in self.sources):
+        held = any(getattr(s, "holds", False) for s in self.sources)
+        if held:
             timeout = 0  # a source already read what woke it (``has_pending``)
-        readable(self.sources, timeout)
+        if not readable(self.sources, timeout) and not held:
+            return []  # a timeout: nothing to drain (a lease beat's wake costs no reads)
         reasons: list[str] = []
         # Drain every source, not just the ready ones: one pass covers them all.
         for s in self.sources:
