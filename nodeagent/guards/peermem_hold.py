@@ -27,14 +27,12 @@ holding, every pass says so as a problem of its status.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nodeagent.core.guard import Verdict
+from nodeagent.core.guard import Verdict, backoff_delay
 from nodeagent.guards.side import GuardSide, SideContext
 from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
 
@@ -237,7 +235,7 @@ class PeermemHold(GuardSide):
         """Try again after the backoff: a timer wakes the loop when it is due."""
         self.start_failures += 1
         self.last_failure = why
-        delay = min(START_RETRY_S * 2 ** (self.start_failures - 1), START_RETRY_MAX_S)
+        delay = backoff_delay(self.start_failures, START_RETRY_S, START_RETRY_MAX_S)
         self.retry_at = self.ctx.clock() + delay
         timer = threading.Timer(delay, self.ctx.wake, args=("hold start due",))
         timer.daemon = True
@@ -612,7 +610,7 @@ class PeermemHold(GuardSide):
 
     def _mark_failed(self) -> None:
         self.mark_failures += 1
-        delay = min(START_RETRY_S * 2 ** (self.mark_failures - 1), START_RETRY_MAX_S)
+        delay = backoff_delay(self.mark_failures, START_RETRY_S, START_RETRY_MAX_S)
         self.mark_at = self.ctx.clock() + delay
 
     def _mark_roots(self) -> None:
@@ -622,17 +620,15 @@ class PeermemHold(GuardSide):
             return
         if self.ctx.clock() < self.mark_at:
             return
+        from nodeagent.host.hold import mark_root
+
         still: list[str] = []
         for name in self.ctx.policy.hold_roots:
             if name in self.marked:
                 continue
-            path = str(self.ctx.host.path(name))
-            try:
-                if not os.path.isdir(path):
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory (yet)")
-                self.group.mark_filesystem(path)
-            except OSError as exc:
-                still.append(f"{name}: {exc.strerror or exc}")
+            why = mark_root(self.group.mark_filesystem, name, str(self.ctx.host.path(name)))
+            if why is not None:
+                still.append(why)
                 continue
             self.marked = [*self.marked, name]
             self.ctx.record({"kind": "hold-root-marked", "root": name})

@@ -729,6 +729,17 @@ class HoldHost:
     apart: bool = True
 
 
+def mark_root(mark: Callable[[str], None], name: str, path: str) -> str | None:
+    """Mark the filesystem of hold root ``name`` (at ``path``); why not, or None when marked."""
+    if not os.path.isdir(path):
+        return f"{name} is not a directory; not marked"
+    try:
+        mark(path)
+    except OSError as exc:
+        return f"cannot mark {name}: {exc.strerror or exc}"
+    return None
+
+
 def start_hold(
     source: EventSource,
     mark: Callable[[str], None],
@@ -797,13 +808,9 @@ def start_hold(
         responder = thread
     marked: list[str] = []
     for name, path in roots:
-        if not os.path.isdir(path):
-            problems.append(f"peermem.hold_roots: {name} is not a directory; not marked")
-            continue
-        try:
-            mark(path)
-        except OSError as exc:
-            problems.append(f"peermem.hold_roots: cannot mark {name}: {exc.strerror or exc}")
+        why = mark_root(mark, name, path)
+        if why is not None:
+            problems.append(f"peermem.hold_roots: {why}")
             continue
         marked.append(name)
     if not marked and not containers:
