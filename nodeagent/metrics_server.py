@@ -35,6 +35,8 @@ within a few MiB of idle, and inside a real 128 MiB memory cgroup
 from __future__ import annotations
 
 import contextlib
+import os
+import selectors
 import signal
 import socket
 import sys
@@ -287,16 +289,52 @@ class MetricsServer:
             raise NodeagentError(f"metrics address {address}: {exc.strerror or exc}") from None
         self._httpd.exporter = exporter
         self.port = self._httpd.server_address[1]
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._serve, name="nodeagent-metrics", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        """``serve_forever`` without its poll: it wakes every 0.5 s to look for a
+        ``shutdown()`` (twice a second on every node, idle); this waits for a connection
+        or ``close``'s byte on a pipe, and sleeps otherwise."""
         # SIGTERM/SIGINT belong to the agent's loop (host/events.StopOnSignal); this
         # thread and the request threads it starts (they inherit the mask) never take them.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-        self._httpd.serve_forever()
+        listening = self._httpd.socket
+        listening.setblocking(False)  # a connection gone before accept is EAGAIN, no block
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(listening, selectors.EVENT_READ)
+            waiting.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = waiting.select()
+                if any(key.fd == self._wake_r for key, _events in ready):
+                    return
+                self._accept()
+
+    def _accept(self) -> None:
+        """What ``serve_forever`` does for a readable socket, through the documented
+        hooks: accept (a connection gone meanwhile is ignored), verify, process (a thread
+        per connection; the cap is ``_Server.process_request``'s)."""
+        httpd = self._httpd
+        try:
+            request, client_address = httpd.get_request()
+        except OSError:
+            return
+        if not httpd.verify_request(request, client_address):
+            httpd.shutdown_request(request)
+            return
+        try:
+            httpd.process_request(request, client_address)
+        except Exception:
+            httpd.handle_error(request, client_address)
+            httpd.shutdown_request(request)
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         self._thread.join(timeout=5)
+        self._httpd.server_close()
+        if not self._thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)

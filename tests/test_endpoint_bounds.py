@@ -283,3 +283,27 @@ def test_memory_stays_flat_under_a_flood_of_fat_and_slow_clients() -> None:
         if proc.stdin is not None:
             proc.stdin.close()
         proc.wait(WAIT)
+
+
+def _switches(tid: int) -> int:
+    for line in Path(f"/proc/self/task/{tid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches")
+
+
+def test_the_server_sleeps_while_nobody_connects_and_wakes_for_a_scrape(
+    server: MetricsServer,
+) -> None:
+    """No poll: ``serve_forever`` woke every 0.5 s (three wakes in 1.5 s) on every node for
+    its life; the thread now sleeps until a connection or ``close``. A scrape still wakes
+    it, and ``close`` returns a sleeping server at once (the fixture's)."""
+    tid = server._thread.native_id
+    assert tid is not None
+    urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=WAIT).read()
+    before = _switches(tid)
+    done = threading.Event()
+    done.wait(1.5)  # a window to count wakes in: nothing else happens in it
+    assert _switches(tid) == before
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=WAIT).read()
+    assert body and _switches(tid) > before
