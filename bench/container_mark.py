@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/container_mark.py [--trials 50] [--interval 0.1] [--procs 1000]
         [--idle-procs 300] [--execs 25] [--idle-seconds 20] [--settle 11] [--rounds 3]
+        [--batch 0.1] [--stream]
     .venv/bin/python -m tests.realkernel.vm .venv/bin/python bench/container_mark.py  # 6.1 guest
 
 1. Start -> mark, both ways of noticing in one run, alternating trial by trial:
@@ -48,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.containerroot
 
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import RootScanner
+from nodeagent.host.containers import BATCH_S, RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.hold import Responder
 from nodeagent.host.procevents import ConnectorRefused, ExecEvents
@@ -79,7 +80,9 @@ def cmdline(pid: int) -> bytes:
 MODES = ("exec events", "poll")
 
 
-def scanner_for(mode: str, group: FanotifyGroup | None, interval: float) -> RootScanner:
+def scanner_for(
+    mode: str, group: FanotifyGroup | None, interval: float, batch: float = BATCH_S
+) -> RootScanner:
     """A started scanner noticing by ``mode``, once it has chosen (an exec-events scanner
     whose connector refuses raises ``ConnectorRefused``)."""
     s = RootScanner(
@@ -88,6 +91,7 @@ def scanner_for(mode: str, group: FanotifyGroup | None, interval: float) -> Root
         DRIVER_CONTAINER_RULES,
         interval_s=interval,
         exec_events=ExecEvents if mode == "exec events" else None,
+        batch_s=batch,
     )
     s.start()
     wait_for(lambda: s.mode != "starting")
@@ -105,11 +109,12 @@ def start_to_mark(
     modes: tuple[str, ...],
     interval: float,
     gap: float,
+    batch: float,
 ) -> dict[str, tuple[list[float], list[float]]]:
     out: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
     for i in range(trials * len(modes)):
         mode = modes[i % len(modes)]  # alternating: a drift of the machine hits both
-        scanner = scanner_for(mode, group, interval)
+        scanner = scanner_for(mode, group, interval, batch)
         # A start at a random phase of the poll, as on a node where the scanner runs for
         # days (right after its first scan would be the poll's worst case), and after the
         # scanner's first full scans (every command line read: ~0.2 s each in the guest).
@@ -137,6 +142,13 @@ def start_to_mark(
     return out
 
 
+def exec_stream(execs: int) -> subprocess.Popen[bytes]:
+    """A shell loop making about ``execs`` execs a second (``/bin/true``, then ``sleep``:
+    a builtin sleep would be none, sleep itself is one more)."""
+    loop = f"while :; do /bin/true; sleep {2 / execs:.4f}; done"
+    return subprocess.Popen(["/bin/sh", "-c", loop])
+
+
 def thread_cpu_s(tid: int) -> float:
     """A thread's time on a CPU so far (ns precision: schedstat's first field)."""
     return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
@@ -150,11 +162,10 @@ def idle_cost(
     settle: float,
     rounds: int,
     interval: float,
+    batch: float,
 ) -> None:
     procs = [subprocess.Popen(["sleep", "3600"]) for _ in range(nprocs)]
-    # One exec a loop (a builtin sleep would be none: sleep itself is one more).
-    loop = f"while :; do /bin/true; sleep {2 / execs:.4f}; done"
-    spawner = subprocess.Popen(["/bin/sh", "-c", loop])
+    spawner = exec_stream(execs)
     try:
         counter: ExecEvents | None = ExecEvents() if "exec events" in modes else None
     except ConnectorRefused:
@@ -165,7 +176,7 @@ def idle_cost(
         rate: list[float] = []
         for _ in range(rounds):
             for mode in modes:
-                scanner = scanner_for(mode, None, interval)
+                scanner = scanner_for(mode, None, interval, batch)
                 try:
                     time.sleep(settle)
                     tid = scanner._thread.native_id
@@ -255,6 +266,14 @@ def main() -> int:
     ap.add_argument(
         "--start-gap", type=float, default=0.2, help="scanner started -> container start (s)"
     )
+    ap.add_argument(
+        "--batch", type=float, default=BATCH_S, help="the scanner's batch_s (exec events)"
+    )
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="starts timed under a stream of --execs execs a second (a busy node)",
+    )
     args = ap.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]))
     print("kernel:", os.uname().release)
@@ -283,15 +302,29 @@ def main() -> int:
             containerroot.build_lower(lower, [shutil.which("cat") or "/bin/cat"])
             responder = Responder(group, gate_open=lambda: True, budget_s=5.0)
             responder.start()
+            stream = exec_stream(args.execs) if args.stream else None
             try:
                 marks = start_to_mark(
-                    group, lower, top, args.trials, modes, args.interval, args.start_gap
+                    group,
+                    lower,
+                    top,
+                    args.trials,
+                    modes,
+                    args.interval,
+                    args.start_gap,
+                    args.batch,
                 )
             finally:
                 responder.stop()
+                if stream is not None:
+                    stream.kill()
+                    stream.wait()
             print(
                 f"\ncontainer start -> root marked, {args.trials} starts per mode, "
-                f"alternating; poll interval {args.interval} s:"
+                f"alternating; poll interval {args.interval} s, exec events' batch "
+                f"{args.batch} s; "
+                + (f"under a stream of {args.execs} execs/s" if args.stream else "no other execs")
+                + ":"
             )
             for mode in modes:
                 from_start, from_exec = marks[mode]
@@ -313,6 +346,7 @@ def main() -> int:
         args.settle,
         args.rounds,
         args.interval,
+        args.batch,
     )
     scan_cost(args.procs, args.interval)
     return 0

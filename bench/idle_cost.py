@@ -29,7 +29,10 @@ there, the container's root listed in ``status.json``...) and ``--settle``
 seconds more (12 s: past the container scanner's 10 s of re-reading every
 process it has just seen, a start transient), a window of ``--seconds``:
 
-- CPU from ``/proc/<pid>/stat`` (utime + stime, every thread): the agent apart
+- CPU from ``/proc/<pid>/stat`` (utime + stime, every thread), and each thread's
+  apart in the round's line (``threads``: name/tid, seconds; the agent's threads
+  are named in the kernel by ``bench/threadnames``, put on its ``PYTHONPATH``; a
+  thread under 0.01 s is left out): the agent apart
   from its children. The responder is the agent's child (psutil); any other
   child is counted apart, and children reaped during the window show in the
   agent's cutime + cstime ("reaped").
@@ -160,6 +163,22 @@ def stat_cpu(pid: int) -> tuple[float, float]:
     # after the comm: state is fields[0], utime fields[11] ... cstime fields[14]
     ut, st, cut, cst = (int(x) for x in fields[11:15])
     return (ut + st) / TICK, (cut + cst) / TICK
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid``, keyed by its name and id (the main thread's
+    name is the process's: ``python``)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        out[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def children_cpu(pid: int, responder_pid: int | None) -> tuple[float, float, list[str]]:
@@ -360,7 +379,9 @@ def measure(state: str, seconds: float, settle: float, procs: int, execs: float)
         argv = [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root)]
         argv += ["--config", str(cfg), "--metrics-address", f"127.0.0.1:{port}"]
         log = (tmp / "agent.log").open("wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        # Threads named in the kernel (bench/threadnames): the per-thread CPU says whose.
+        env = {**os.environ, "PYTHONPATH": str(REPO / "bench" / "threadnames")}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
         def stop_agent() -> None:
             proc.terminate()
@@ -403,12 +424,17 @@ def measure(state: str, seconds: float, settle: float, procs: int, execs: float)
         execs_ctx = stack.enter_context(Execs(execs)) if state == "hold" else None
         m0 = metrics_passes(port)
         a0, c0 = stat_cpu(proc.pid)
+        t0 = thread_cpu(proc.pid)
         r0, o0, kids0 = children_cpu(proc.pid, responder_pid)
         e0 = execs_ctx.count if execs_ctx else 0
         renames.counting = True
         time.sleep(seconds)
         renames.counting = False
         a1, c1 = stat_cpu(proc.pid)
+        t1 = thread_cpu(proc.pid)
+        run.extra["threads"] = {
+            k: round(v - t0.get(k, 0.0), 3) for k, v in t1.items() if v - t0.get(k, 0.0) > 0
+        }
         r1, o1, kids1 = children_cpu(proc.pid, responder_pid)
         e1 = execs_ctx.count if execs_ctx else 0
         m1 = metrics_passes(port)

@@ -12,11 +12,13 @@ pid namespace, or a new network namespace, asks the same kernel.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,21 @@ import pytest
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
 from nodeagent.host.containers import RootScanner
 from nodeagent.host.fanotify import OpenedRoot
-from nodeagent.host.procevents import ConnectorRefused, ExecEvents
+from nodeagent.host.procevents import (
+    CN_IDX_PROC,
+    CN_MSG,
+    CN_VAL_PROC,
+    EVENT_HEAD,
+    EXEC_DATA,
+    NLMSG_DONE,
+    NLMSGHDR,
+    PROC_EVENT_EXEC,
+    PROC_EVENT_NONE,
+    ConnectorRefused,
+    ExecEvents,
+    _attach_filter,
+    parse,
+)
 
 from .waiting import until
 
@@ -111,11 +127,14 @@ class NeverAcks:
     def sendto(self, data: bytes, address: tuple[int, int], /) -> int:
         return len(data)
 
-    def recv(self, bufsize: int, /) -> bytes:
-        return self.a.recv(bufsize)
+    def recv(self, bufsize: int, flags: int = 0, /) -> bytes:
+        return self.a.recv(bufsize, flags)
 
-    def setsockopt(self, level: int, optname: int, value: int, /) -> None:
+    def setsockopt(self, level: int, optname: int, value: int | bytes, /) -> None:
         pass
+
+    def getsockname(self) -> tuple[int, int]:
+        return (0, 0)
 
     def setblocking(self, flag: bool, /) -> None:
         self.a.setblocking(flag)
@@ -236,4 +255,100 @@ def test_a_real_overrun_is_counted_and_rescanned_at_once(
         assert status["overruns"] >= 1 and status["rescans_after_loss"] >= 1, status
     finally:
         gate.set()
+        scanner.stop()
+
+
+def _event(what: int, tgid: int) -> bytes:
+    """A connector message as the kernel sends one: nlmsghdr, cn_msg, proc_event."""
+    body = EVENT_HEAD.pack(what, 0, 0) + EXEC_DATA.pack(tgid, tgid)
+    cn = CN_MSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(body), 0) + body
+    return NLMSGHDR.pack(NLMSGHDR.size + len(cn), NLMSG_DONE, 0, 0, 0) + cn
+
+
+def test_the_socket_filter_keeps_exec_events_and_acks_only() -> None:
+    """The classic BPF program the subscription attaches, on a socket pair of this
+    kernel (a filter on any socket runs the same): an exec and an ack pass, a fork, an
+    exit and a message too short to hold an event are dropped before they are queued,
+    so they never wake the reader (6.1 sends every fork and exit to a listener)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        _attach_filter(a)
+        a.setblocking(False)
+        PROC_EVENT_FORK, PROC_EVENT_EXIT = 0x1, 0x80000000
+        for what, tgid in ((PROC_EVENT_FORK, 11), (PROC_EVENT_EXEC, 12), (PROC_EVENT_EXIT, 13)):
+            b.send(_event(what, tgid))
+        b.send(_event(PROC_EVENT_NONE, 14))
+        b.send(b"\x10\0\0\0" + bytes(12))  # a bare nlmsghdr: the load past its end drops it
+        got = []
+        while True:
+            try:
+                got += parse(a.recv(8192))
+            except BlockingIOError:
+                break
+        assert [(what, value) for what, _ack, value in got] == [
+            (PROC_EVENT_EXEC, 12),
+            (PROC_EVENT_NONE, 14),  # an ack's err is where an exec's pid would be
+        ]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_fork_and_exit_without_exec_queues_nothing(events: ExecEvents) -> None:
+    """On this kernel: a child that forks and exits without an exec leaves nothing in the
+    subscription's queue (6.6+ by the event mask, 6.1 by the socket filter), and the
+    exec that follows is the one thing there."""
+    assert events.filtered
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = subprocess.Popen(["/bin/true"])
+    child.wait()
+    pids, lost = events.wait(10.0)  # the exec's event, or the hang detector's bound
+    assert (pids, lost) == ([child.pid], False)
+    with pytest.raises(BlockingIOError):
+        events.sock.recv(8192, socket.MSG_DONTWAIT)
+
+
+def test_wake_returns_a_waiter_blocked_in_the_sockets_recv(events: ExecEvents) -> None:
+    """``wait`` blocks in ``recv`` itself, with an hour's timeout here; ``wake`` from
+    another thread returns it (a message to the socket's own port id), with no event."""
+    out: list[tuple[list[int], bool]] = []
+    waiter = threading.Thread(target=lambda: out.append(events.wait(3600.0)), daemon=True)
+    waiter.start()
+    until(lambda: events.wakes == 0 and waiter.is_alive(), "the waiter did not start")
+    events.wake()
+    waiter.join(10.0)  # a hang detector: without the wake, an hour
+    assert not waiter.is_alive() and events.wakes == 1
+    assert out[0][1] is False and all(p > 0 for p in out[0][0])  # no event made up
+
+
+def test_a_stream_of_execs_is_looked_at_a_bounded_number_of_times(tmp_path: Path) -> None:
+    """A lone exec is looked at at once; a stream (here 300 execs as fast as this machine
+    makes them) at most once every ``batch_s`` after the first two looks: the scanner's
+    cost under an exec storm is bounded, whoever makes it. Every event is still read
+    (the subscription's count)."""
+    fake = FakeProc(tmp_path, b"sleep\0")
+    scanner = fake.scanner(batch_s=0.2, full_scan_s=3600.0)
+    scanner.start()
+    try:
+        until(lambda: scanner.mode != "starting", "no mode")
+        if scanner.mode != "exec events":
+            print(f"no exec events here: {scanner.mode}")
+            pytest.skip(f"no exec events here: {scanner.mode}")
+        before = scanner.status()
+        start = time.monotonic()
+        for _ in range(300):
+            subprocess.run(["/bin/true"], check=True)
+
+        def read_all() -> bool:
+            return scanner.status()["exec_events"] - before["exec_events"] >= 300
+
+        until(read_all, "not every exec was read")
+        elapsed = time.monotonic() - start
+        looks = scanner.status()["looks"] - before["looks"]
+        assert looks <= 3 + elapsed / 0.2, (looks, elapsed)
+        assert looks < 100, looks  # one a wake would be about one an exec
+    finally:
         scanner.stop()

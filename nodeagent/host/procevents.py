@@ -40,6 +40,17 @@ in ``docs/design.md``, "Container scan: exec events"):
   decides; the filtered one follows, answered by nothing.
 - On 6.1 a socket closed while listening leaves the kernel's listener count
   raised (6.6+ drop it on release): ``close`` sends ``IGNORE`` first.
+- 6.1 sends every fork and exit too (about three events a process). A classic
+  BPF filter on the socket (``SO_ATTACH_FILTER``, no privilege needed) keeps
+  ``EXEC`` and ``NONE`` (the acks) only, so the kernel never queues the rest
+  and the reader is never woken for them, on every kernel.
+- The reader blocks in ``recv`` itself with ``SO_RCVTIMEO`` as its timeout: one
+  system call a wake, where ``poll`` then ``recv`` took two (about 40 against
+  80 µs of the thread's CPU a wake here). ``wake`` interrupts it: a unicast to
+  the socket's own port id from a second connector socket. Sending to a port id
+  needs ``CAP_NET_ADMIN`` over the network namespace (the connector's kernel
+  socket does not set ``NL_CFG_F_NONROOT_SEND``), so no other user of the node
+  can put a message in this queue; without it, ``wait`` returns at its timeout.
 
 Why not pyroute2's ``ProcEventSocket`` (a dependency already): its
 ``control(listen=True)`` waits for an answer without a timeout (a refused
@@ -51,12 +62,14 @@ while the scanner needs two integers from one message in three.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import secrets
 import select
 import socket
 import struct
+import sys
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -70,6 +83,7 @@ PROC_EVENT_NONE = 0
 PROC_EVENT_EXEC = 0x2
 NLMSG_DONE = 3
 SO_RCVBUFFORCE = 33
+SO_ATTACH_FILTER = 26
 
 NLMSGHDR = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 CN_MSG = struct.Struct("=IIIIHH")  # idx, val, seq, ack, len, flags
@@ -85,6 +99,37 @@ DRAIN_MAX = 512  # datagrams read in one drain, at most (then the caller loops)
 RCVBUF_BYTES = 1 << 20  # room for a few thousand events while the reader is late
 
 
+def _sock_filter_program() -> list[tuple[int, int, int, int]]:
+    """Classic BPF: keep a message whose event (the word after the nlmsghdr and the
+    cn_msg) is ``EXEC`` or ``NONE``; drop the rest (fork, exit, uid, comm...). A load
+    past a message's end drops it, so the kernel's messages are all long enough and
+    ``wake``'s is padded. ``BPF_ABS`` loads in network order: the constants are
+    swapped to compare with the host's."""
+    bpf_ld_w_abs, bpf_jeq_k, bpf_ret_k = 0x20, 0x15, 0x06
+
+    def net(v: int) -> int:
+        return int.from_bytes(v.to_bytes(4, sys.byteorder), "big")
+
+    return [
+        (bpf_ld_w_abs, 0, 0, EVENT_OFFSET),
+        (bpf_jeq_k, 2, 0, net(PROC_EVENT_EXEC)),  # jt: to "keep"
+        (bpf_jeq_k, 1, 0, net(PROC_EVENT_NONE)),
+        (bpf_ret_k, 0, 0, 0),  # drop
+        (bpf_ret_k, 0, 0, 0xFFFFFFFF),  # keep, whole
+    ]
+
+
+def _attach_filter(sock: NetlinkSocket) -> None:
+    prog = _sock_filter_program()
+    insns = (ctypes.c_ubyte * (8 * len(prog)))()
+    for i, (code, jt, jf, k) in enumerate(prog):
+        struct.pack_into("=HBBI", insns, 8 * i, code, jt, jf, k)
+    # struct sock_fprog { unsigned short len; struct sock_filter *filter; }: the kernel
+    # copies the instructions during the call, while ``insns`` is alive.
+    fprog = struct.pack("@HP", len(prog), ctypes.addressof(insns))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+
+
 class ConnectorRefused(Exception):
     """The connector would not subscribe this process; the message says why."""
 
@@ -94,8 +139,9 @@ class NetlinkSocket(Protocol):
 
     def bind(self, address: tuple[int, int], /) -> None: ...
     def sendto(self, data: bytes, address: tuple[int, int], /) -> int: ...
-    def recv(self, bufsize: int, /) -> bytes: ...
-    def setsockopt(self, level: int, optname: int, value: int, /) -> None: ...
+    def recv(self, bufsize: int, flags: int = 0, /) -> bytes: ...
+    def setsockopt(self, level: int, optname: int, value: int | bytes, /) -> None: ...
+    def getsockname(self) -> tuple[int, int]: ...
     def setblocking(self, flag: bool, /) -> None: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
@@ -136,8 +182,9 @@ def parse(data: bytes) -> list[tuple[int, int, int]]:
 
 
 class ExecEvents:
-    """A subscription to the connector's process events: ``read`` gives the pids that
-    exec'd since the last read, and whether any event was lost on the way."""
+    """A subscription to the connector's process events: ``wait`` blocks for the next
+    one, ``read`` takes what is queued; each gives the pids that exec'd and whether any
+    event was lost on the way."""
 
     def __init__(
         self,
@@ -152,12 +199,16 @@ class ExecEvents:
         a small one)."""
         self.overruns = 0  # recv failed with ENOBUFS: events lost
         self.execs = 0  # exec events read
+        self.wakes = 0  # returns from ``wait`` (an event, a timeout or ``wake``)
+        self.filtered = False  # the kernel drops what is not EXEC or an ack (BPF)
         # Our acks are told apart by their ``ack`` field (the kernel echoes it plus one;
         # it overwrites ``seq`` with its own per-CPU counter).
         self._tag = secrets.randbits(30) * 4
-        self._pending: list[int] = []  # exec'd pids read while waiting for the ack
+        self._pending: list[int] = []  # exec'd pids read, not yet given out
         self._lost = False  # ENOBUFS since the last read
         self._verdict: int | None = None  # the err our LISTEN's ack carries
+        self._timeout_ms = 0  # SO_RCVTIMEO as last set (0: never, blocks forever)
+        self._make_socket = make_socket
         try:
             self.sock = make_socket()
         except OSError as exc:
@@ -176,6 +227,9 @@ class ExecEvents:
                 break
             except OSError:
                 continue
+        with contextlib.suppress(OSError):  # without it every fork and exit wakes the reader
+            _attach_filter(s)
+            self.filtered = True
         try:
             s.bind((0, CN_IDX_PROC))
         except OSError as exc:
@@ -212,40 +266,79 @@ class ExecEvents:
                 f"the kernel refused the subscription: {os.strerror(self._verdict)} "
                 "(needs CAP_NET_ADMIN)"
             )
+        s.setblocking(True)  # ``wait`` blocks in ``recv``; ``read`` asks MSG_DONTWAIT
+
+    def _take(self, data: bytes) -> None:
+        for what, ack, value in parse(data):
+            if what == PROC_EVENT_EXEC:
+                self.execs += 1
+                self._pending.append(value)
+            elif what == PROC_EVENT_NONE and ack == self._tag + 1:
+                self._verdict = value
+
+    def _recv(self, flags: int) -> bool:
+        """One datagram taken; False when there was none (``EAGAIN``: nothing queued,
+        or ``SO_RCVTIMEO`` passed). A loss (``ENOBUFS``) is counted and marked."""
+        try:
+            data = self.sock.recv(RECV_BYTES, flags)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno != errno.ENOBUFS:
+                raise
+            self.overruns += 1
+            self._lost = True
+            return True
+        self._take(data)
+        return True
 
     def _drain(self, most: int = DRAIN_MAX) -> None:
-        """Read what is queued (at most ``most`` datagrams): exec'd pids to ``_pending``,
-        our ack's err to ``_verdict``, an overrun to ``_lost``."""
+        """Take what is queued (at most ``most`` datagrams), never blocking."""
         for _ in range(most):
-            try:
-                data = self.sock.recv(RECV_BYTES)
-            except BlockingIOError:
+            if not self._recv(socket.MSG_DONTWAIT):
                 return
-            except OSError as exc:
-                if exc.errno != errno.ENOBUFS:
-                    raise
-                self.overruns += 1
-                self._lost = True
-                continue
-            for what, ack, value in parse(data):
-                if what == PROC_EVENT_EXEC:
-                    self.execs += 1
-                    self._pending.append(value)
-                elif what == PROC_EVENT_NONE and ack == self._tag + 1:
-                    self._verdict = value
+
+    def _give(self) -> tuple[list[int], bool]:
+        pids, self._pending = self._pending, []
+        lost, self._lost = self._lost, False
+        return list(dict.fromkeys(pids)), lost
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def read(self, most: int = DRAIN_MAX) -> tuple[list[int], bool]:
         """The pids that exec'd (in order, repeats kept out) and whether events were lost
-        (``ENOBUFS``) since the last read. Never blocks; reads at most ``most`` datagrams
-        (call again while the socket is readable: a caller that polls reads one a wake,
-        and saves the ``recv`` that would only say ``EAGAIN``)."""
+        (``ENOBUFS``) since the last read. Never blocks; reads at most ``most`` datagrams."""
         self._drain(most)
-        pids, self._pending = self._pending, []
-        lost, self._lost = self._lost, False
-        return list(dict.fromkeys(pids)), lost
+        return self._give()
+
+    def wait(self, timeout_s: float) -> tuple[list[int], bool]:
+        """Like ``read``, after blocking up to ``timeout_s`` for one datagram: the one
+        system call of a wake. The timeout is set on the socket only when it changes
+        (a caller passes the same few values), rounded to the millisecond."""
+        ms = max(1, round(timeout_s * 1000))
+        if ms != self._timeout_ms:
+            tv = struct.pack("@ll", ms // 1000, ms % 1000 * 1000)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self._timeout_ms = ms
+        self._recv(0)
+        self.wakes += 1
+        return self._give()
+
+    def wake(self) -> None:
+        """Interrupt a ``wait`` in another thread: a message to this socket's own port id
+        (no event: ``parse`` skips it). Needs ``CAP_NET_ADMIN``; without it the waiter
+        returns at its timeout."""
+        with contextlib.suppress(OSError):
+            port = self.sock.getsockname()[0]
+            sender = self._make_socket()
+            try:
+                # As long as an event, so the filter's load stays inside it; zeros: NONE.
+                size = EVENT_OFFSET + EVENT_HEAD.size
+                head = NLMSGHDR.pack(size, NLMSG_DONE, 0, 0, 0)
+                sender.sendto(head + bytes(size - len(head)), (port, 0))
+            finally:
+                sender.close()
 
     def close(self) -> None:
         """Unsubscribe (6.1 keeps a listener counted for a socket closed while listening)."""
