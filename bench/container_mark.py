@@ -49,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.containerroot
 
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import BATCH_S, RootScanner
+from nodeagent.host.containers import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
 from nodeagent.host.hold import Responder
 from nodeagent.host.procevents import ConnectorRefused, ExecEvents
@@ -81,7 +81,7 @@ MODES = ("exec events", "poll")
 
 
 def scanner_for(
-    mode: str, group: FanotifyGroup | None, interval: float, batch: float = BATCH_S
+    mode: str, group: FanotifyGroup | None, interval: float, batch: float | None = None
 ) -> RootScanner:
     """A started scanner noticing by ``mode``, once it has chosen (an exec-events scanner
     whose connector refuses raises ``ConnectorRefused``)."""
@@ -109,7 +109,7 @@ def start_to_mark(
     modes: tuple[str, ...],
     interval: float,
     gap: float,
-    batch: float,
+    batch: float | None,
 ) -> dict[str, tuple[list[float], list[float]]]:
     out: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in modes}
     for i in range(trials * len(modes)):
@@ -162,7 +162,7 @@ def idle_cost(
     settle: float,
     rounds: int,
     interval: float,
-    batch: float,
+    batch: float | None,
 ) -> None:
     procs = [subprocess.Popen(["sleep", "3600"]) for _ in range(nprocs)]
     spawner = exec_stream(execs)
@@ -267,7 +267,10 @@ def main() -> int:
         "--start-gap", type=float, default=0.2, help="scanner started -> container start (s)"
     )
     ap.add_argument(
-        "--batch", type=float, default=BATCH_S, help="the scanner's batch_s (exec events)"
+        "--batch",
+        type=float,
+        default=None,
+        help="the scanner's batch_s (exec events; default: --interval, as the agent does)",
     )
     ap.add_argument(
         "--stream",
@@ -322,7 +325,7 @@ def main() -> int:
             print(
                 f"\ncontainer start -> root marked, {args.trials} starts per mode, "
                 f"alternating; poll interval {args.interval} s, exec events' batch "
-                f"{args.batch} s; "
+                f"{args.interval if args.batch is None else args.batch} s; "
                 + (f"under a stream of {args.execs} execs/s" if args.stream else "no other execs")
                 + ":"
             )

@@ -11,8 +11,8 @@ How new processes are noticed: the kernel's exec events
 A runtime's ``runc init`` becomes the entrypoint at ``exec``, later than its pid
 appears, so an exec event is exactly the moment to look: the scanner reads the
 command line of exec'd processes only. A lone exec is looked at as its event
-arrives; under a stream of them, at most once every ``batch_s`` (0.1 s, the
-poll's own bound), all the events queued meanwhile in one wake: a wake costs
+arrives; under a stream of them, at most once every ``batch_s`` (the poll's own
+interval, 0.1 s: ``hold_scan_seconds``), all the events queued meanwhile in one wake: a wake costs
 this thread far more than a read (~300 µs a look against ~20 µs a process on
 the bench VM), so the scanner's cost has a ceiling whatever execs on the node. The subscription
 needs ``CAP_NET_ADMIN`` (the base DaemonSet grants it), the host's network
@@ -79,7 +79,6 @@ CMDLINE_BYTES = 4096
 STATUS_BYTES = 8192
 CAP_SYS_MODULE = 16
 FULL_SCAN_S = 2.0  # with exec events: the safety net's period
-BATCH_S = 0.1  # with exec events: looks at most this often under a stream of execs
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class RootScanner:
         may_load: Callable[[int], str | None] | None = None,
         exec_events: Callable[[], ExecEvents] | None = ExecEvents,
         full_scan_s: float = FULL_SCAN_S,
-        batch_s: float = BATCH_S,
+        batch_s: float | None = None,
     ) -> None:
         """``open_root``: the group's (``FanotifyGroup.open_root``): a root resolved once,
         checked and marked through that one resolution. ``dev_of``: a path's device (the
@@ -183,7 +182,9 @@ class RootScanner:
         ``exec_events``: subscribes to the kernel's exec events or raises
         ``ConnectorRefused`` (None: poll only); with them, the full scan runs every
         ``full_scan_s``, else every ``interval_s``; ``batch_s``: with them, the least time
-        between two looks at exec'd processes (a lone exec is looked at at once)."""
+        between two looks at exec'd processes under a stream of execs (a lone exec is
+        looked at at once); ``interval_s`` unless given: one bound on how late a driver
+        container is noticed, whichever way (``hold_scan_seconds``)."""
         self.open_root = open_root
         self.marked_devices = marked_devices
         self.rules = tuple(rules)
@@ -192,7 +193,7 @@ class RootScanner:
         self.recheck_s = recheck_s
         self.exec_events = exec_events
         self.full_scan_s = full_scan_s
-        self.batch_s = batch_s
+        self.batch_s = interval_s if batch_s is None else batch_s
         self.mode = "starting"  # for status: "exec events" or "polling /proc every ...: why"
         self.rescans = 0  # full scans at once after events were lost
         self._events: ExecEvents | None = None
@@ -323,8 +324,8 @@ class RootScanner:
             # a process that exec'd and exited in between (most of a busy node's execs)
             # costs a failed open (~5 µs), not the first read of a new pid's files
             # (~40 µs). A lone exec is looked at at once.
-            if stream:
-                time.sleep(self.batch_s)  # cheaper than an Event's wait; stop waits it out
+            if stream and self._stop.wait(self.batch_s):
+                return
 
     def exec_seen(self, pid: int) -> None:
         """``pid`` exec'd: read its command line now (the young window restarts)."""
