@@ -285,8 +285,8 @@ def test_the_chart_and_the_kustomize_render_are_the_same_objects(
         assert mine == doc, key
 
 
-def test_the_packaged_chart_holds_the_linked_files_and_renders_the_same(tmp_path: Path) -> None:
-    """`helm package` resolves files/' links: the archive a repository serves is whole."""
+def test_the_packaged_chart_holds_the_copied_files_and_renders_the_same(tmp_path: Path) -> None:
+    """The archive a repository serves holds files/' copies of deploy/: it is whole."""
     archive = helm.package(str(CHART), destination=str(tmp_path))
     packed = helm.Chart.load_archive(Path(archive).read_bytes())
     for values in (TOGGLES["defaults"], TOGGLES["openshift+hold"]):

@@ -8,13 +8,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* The documents of a base file (files/ links to deploy/), as {"items": [...]}, each
+{{/* The documents of a base file (files/ holds copies of deploy/'s: scripts/sync-chart.sh), as {"items": [...]}, each
 with the release's namespace (cluster-scoped kinds excepted; a binding's subjects
 too) and the labels. */}}
 {{- define "nodeagent.objects" -}}
 {{- $text := .root.Files.Get (printf "files/%s" .file) -}}
 {{- if not $text -}}
-{{- fail (printf "chart: files/%s is missing or empty (the link to deploy/ broke?)" .file) -}}
+{{- fail (printf "chart: files/%s is missing or empty (run scripts/sync-chart.sh)" .file) -}}
 {{- end -}}
 {{- $out := list -}}
 {{- range $doc := splitList "\n---" $text -}}

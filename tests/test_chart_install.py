@@ -1,0 +1,83 @@
+"""deploy/helm/nodeagent as a new user installs it (issue 53): a chart with no symlinks (its
+files/ are copies of deploy/'s, kept equal by scripts/sync-chart.sh), rendered from a
+checkout that dropped every symlink, as Flux's Git source does (flux2#4088)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_helm import CHART, TOGGLES, helm
+
+ROOT = CHART.parent.parent.parent
+DEPLOY = ROOT / "deploy"
+# The chart's files/ directories and the deploy/ directory each copies from.
+COPIED_FROM = {
+    "base": "base",
+    "openshift": "overlays/openshift",
+    "hold-openshift": "components/peermem-hold-openshift",
+    "npd": "npd",
+}
+
+
+def test_the_chart_holds_no_symlink() -> None:
+    links = [p for p in CHART.rglob("*") if p.is_symlink()]
+    assert links == [], "a Git source that drops symlinks breaks the chart: copy instead"
+
+
+def test_every_copied_file_is_its_deploy_original() -> None:
+    copies = [p for p in (CHART / "files").rglob("*") if p.is_file()]
+    assert len(copies) >= 10
+    for copy in copies:
+        top, *rest = copy.relative_to(CHART / "files").parts
+        original = DEPLOY / COPIED_FROM[top] / Path(*rest)
+        assert copy.read_bytes() == original.read_bytes(), (
+            f"{copy} differs from {original}: run scripts/sync-chart.sh"
+        )
+        assert copy.stat().st_mode == original.stat().st_mode, copy
+    check = subprocess.run(["bash", str(ROOT / "scripts/sync-chart.sh"), "--check"], check=False)
+    assert check.returncode == 0
+
+
+def test_the_sync_check_names_a_stale_copy_and_the_sync_mends_it(tmp_path: Path) -> None:
+    for part in ("scripts", "deploy"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    (tmp_path / "deploy/base/service.yaml").write_text("# edited\n")
+    script = str(tmp_path / "scripts/sync-chart.sh")
+    check = subprocess.run(["bash", script, "--check"], capture_output=True, text=True)
+    assert check.returncode == 1
+    assert "files/base/service.yaml differs from deploy/base/service.yaml" in check.stderr
+    subprocess.run(["bash", script], check=True)
+    copy = tmp_path / "deploy/helm/nodeagent/files/base/service.yaml"
+    assert copy.read_text() == "# edited\n"
+    assert subprocess.run(["bash", script, "--check"]).returncode == 0
+
+
+def test_a_checkout_without_symlinks_renders_and_lints_the_same(tmp_path: Path) -> None:
+    """As Flux would fetch it: the chart's directory with every symlink dropped."""
+    copy = tmp_path / "nodeagent"
+    shutil.copytree(CHART, copy, symlinks=True)
+    for path in list(copy.rglob("*")):
+        if path.is_symlink():
+            os.unlink(path)
+    ours, theirs = helm.Chart.load(str(copy)), helm.Chart.load(str(CHART))
+    for values in TOGGLES.values():
+        args = {"name": "nodeagent", "namespace": "nodeagent", "is_install": True}
+        assert ours.render(values, **args) == theirs.render(values, **args)
+    report = helm.lint(str(copy), {}, strict=True)
+    assert report["errors"] == [] and report["messages"] == [], report
+
+
+@pytest.mark.parametrize("values", [{}, TOGGLES["openshift+hold"]])
+def test_the_chart_fails_naming_the_sync_when_a_copy_is_missing(
+    tmp_path: Path, values: dict[str, object]
+) -> None:
+    copy = tmp_path / "nodeagent"
+    shutil.copytree(CHART, copy)
+    (copy / "files/base/daemonset.yaml").unlink()
+    with pytest.raises(helm.HelmError, match=r"run scripts/sync-chart\.sh"):
+        helm.Chart.load(str(copy)).render(values, name="nodeagent", namespace="nodeagent")
