@@ -8,10 +8,11 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.test_helm import CHART, TOGGLES, helm
+from tests.test_helm import CHART, MONITORING_API, TOGGLES, helm, notes, one, render
 
 ROOT = CHART.parent.parent.parent
 DEPLOY = ROOT / "deploy"
@@ -81,3 +82,66 @@ def test_the_chart_fails_naming_the_sync_when_a_copy_is_missing(
     (copy / "files/base/daemonset.yaml").unlink()
     with pytest.raises(helm.HelmError, match=r"run scripts/sync-chart\.sh"):
         helm.Chart.load(str(copy)).render(values, name="nodeagent", namespace="nodeagent")
+
+
+# ---------------------------------------------------------------- monitoring
+
+
+def kinds(docs: list[dict[str, Any]]) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def test_defaults_render_no_monitoring_object_where_the_api_is_absent() -> None:
+    """helm install on a cluster without the Prometheus Operator: no ServiceMonitor to fail
+    the install on its kind; the notes say why and how to scrape."""
+    docs = render()
+    assert not [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert "ConfigMap" in kinds(docs) and "Service" in kinds(docs)
+    assert "No ServiceMonitor or PrometheusRule" in notes()
+    assert "No ServiceMonitor" not in notes(MONITORING_API)
+    forced_off = {"monitoring": {"apiAvailable": False}}
+    assert not kinds(render(forced_off)) & {"ServiceMonitor", "PrometheusRule"}
+    assert {"ServiceMonitor", "PrometheusRule"} <= kinds(render(MONITORING_API))
+
+
+def matches(selector: dict[str, str], obj: dict[str, Any]) -> bool:
+    labels = obj["metadata"].get("labels", {})
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_kube_prometheus_stacks_default_selectors_pick_the_objects_up() -> None:
+    """kube-prometheus-stack's Prometheus selects ServiceMonitors and PrometheusRules with
+    matchLabels {release: <its release>} (serviceMonitorSelectorNilUsesHelmValues)."""
+    selector = {"release": "kps"}
+    plain = render(MONITORING_API)
+    assert not matches(selector, one(plain, "ServiceMonitor"))
+    docs = render(TOGGLES["kube-prometheus-stack"])
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        obj = one(docs, kind)
+        assert matches(selector, obj), kind
+        assert obj["metadata"]["labels"]["app.kubernetes.io/name"] == "nodeagent"
+    dashboard = one(docs, "ConfigMap", "nodeagent-grafana-dashboard")
+    assert matches({"release": "kps", "grafana_dashboard": "1"}, dashboard)
+
+
+def test_openshift_user_workload_monitoring_reads_the_token_from_a_secret() -> None:
+    docs = render(TOGGLES["openshift user-workload monitoring"])
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert "bearerTokenFile" not in endpoint, "refused where file access is denied"
+    credentials = endpoint["authorization"]["credentials"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    secret = one(docs, "Secret", credentials["name"])
+    assert secret["type"] == "kubernetes.io/service-account-token"
+    reader = secret["metadata"]["annotations"]["kubernetes.io/service-account.name"]
+    assert one(docs, "ServiceAccount", reader)["automountServiceAccountToken"] is False
+    role = one(docs, "ClusterRole", "nodeagent-metrics-reader")
+    assert role["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    binding = one(docs, "ClusterRoleBinding", "nodeagent-metrics-reader")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": reader, "namespace": "nodeagent"}
+    ]
+    # where file access is allowed, Prometheus's own token file, and no Secret
+    file_docs = render(MONITORING_API)
+    (file_endpoint,) = one(file_docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert file_endpoint["bearerTokenFile"].endswith("serviceaccount/token")
+    assert "Secret" not in kinds(file_docs)

@@ -66,13 +66,29 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 
 HOLD_ON = {"hold": {"enabled": True}, "agent": {"mode": "enforce"}}
+# The Helm library here takes no API versions (helm's --api-versions): the chart's value
+# says the Prometheus Operator's API is served.
+MONITORING_API = {"monitoring": {"apiAvailable": True}}
 TOGGLES: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "hold": HOLD_ON,
-    "openshift": {"platform": {"openshift": True}},
-    "openshift+hold": {"platform": {"openshift": True}, **HOLD_ON},
-    "no metrics": {"metrics": {"enabled": False}},
+    "monitoring API": MONITORING_API,
+    "kube-prometheus-stack": {
+        **MONITORING_API,
+        "serviceMonitor": {"additionalLabels": {"release": "kps"}},
+        "prometheusRule": {"additionalLabels": {"release": "kps"}},
+        "dashboard": {"additionalLabels": {"release": "kps"}},
+    },
+    "hold": {**HOLD_ON, **MONITORING_API},
+    "openshift": {"platform": {"openshift": True}, **MONITORING_API},
+    "openshift user-workload monitoring": {
+        "platform": {"openshift": True},
+        **MONITORING_API,
+        "serviceMonitor": {"token": "secret"},
+    },
+    "openshift+hold": {"platform": {"openshift": True}, **HOLD_ON, **MONITORING_API},
+    "no metrics": {"metrics": {"enabled": False}, **MONITORING_API},
     "no monitoring objects": {
+        **MONITORING_API,
         "serviceMonitor": {"enabled": False},
         "prometheusRule": {"enabled": False},
         "dashboard": {"enabled": False},
@@ -213,6 +229,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"daemonsets": {"updateStrategy": "Recreate"}}, "/daemonsets/updateStrategy"),
     ({"agentt": {"mode": "enforce"}}, "'agentt' not allowed"),  # a misspelt key
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"monitoring": {"apiAvailable": "yes"}}, "/monitoring/apiAvailable"),
+    ({"serviceMonitor": {"token": "bearer"}}, "/serviceMonitor/token"),
+    ({"prometheusRule": {"additionalLabels": {"release": 1}}}, "/prometheusRule/additionalLabels"),
 ]
 
 
@@ -255,10 +274,10 @@ def normalized(doc: dict[str, Any]) -> dict[str, Any]:
 # observing; the chart refuses the hold in observe, so it is compared in enforce with mode
 # set back)
 MATCHING = [
-    pytest.param(BASE, {}, id="base"),
-    pytest.param(OPENSHIFT, {"platform": {"openshift": True}}, id="openshift"),
-    pytest.param(HOLD, HOLD_ON, id="peermem-hold"),
-    pytest.param(HOLD_OPENSHIFT, {"platform": {"openshift": True}, **HOLD_ON}, id="hold-openshift"),
+    pytest.param(BASE, TOGGLES["monitoring API"], id="base"),
+    pytest.param(OPENSHIFT, TOGGLES["openshift"], id="openshift"),
+    pytest.param(HOLD, TOGGLES["hold"], id="peermem-hold"),
+    pytest.param(HOLD_OPENSHIFT, TOGGLES["openshift+hold"], id="hold-openshift"),
 ]
 
 

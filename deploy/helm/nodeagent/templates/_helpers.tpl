@@ -59,3 +59,21 @@ too) and the labels. */}}
 {{- $cfg = mustMergeOverwrite $cfg (deepCopy ($a.extraConfig | default dict)) -}}
 {{- toToml $cfg -}}
 {{- end -}}
+
+{{/* "true" when the monitoring objects may render: monitoring.apiAvailable true, or auto
+and the Prometheus Operator's API served (helm install and upgrade ask the cluster; helm
+template knows only what --api-versions says). Without it, a ServiceMonitor fails the
+install on its kind. */}}
+{{- define "nodeagent.monitoringApi" -}}
+{{- $available := toString .Values.monitoring.apiAvailable -}}
+{{- if eq $available "auto" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
+{{- else if eq $available "true" -}}true
+{{- end -}}
+{{- end -}}
+
+{{/* The labels of a monitoring object: the chart's, then the user's additionalLabels
+(kube-prometheus-stack's selectors want release: <its release>). */}}
+{{- define "nodeagent.withLabels" -}}
+{{- $_ := set .obj.metadata "labels" (merge .obj.metadata.labels (.labels | default dict)) -}}
+{{- end -}}
