@@ -114,6 +114,7 @@ def start(
     drop_sys_module: bool = False,
     user_namespace: bool = False,
     flip_to_tmpfs: bool = False,
+    flip_to_overlay: bool = False,
     output: IO[bytes] | None = None,
 ) -> Container:
     """A container start: a new overlay (its own upper/work under ``top``), entered.
@@ -124,6 +125,8 @@ def start(
     ``flip_to_tmpfs``: a tmpfs holding a copy of the image is mounted at ``/flip`` in its
     namespace, and the first line on its stdin makes it ``exec chroot /flip``: its root
     becomes that tmpfs, same pid (a process flipping its root under a scanner);
+    ``flip_to_overlay``: the same with a second overlay of the image (upper/work of its
+    own) at ``/flip``: a driver container that ``chroot``s into a new overlay;
     ``output``: where its stdout and stderr go (the container's log), inherited otherwise."""
     n = len(list(top.glob("start-*")))
     base = top / f"start-{n}"
@@ -137,6 +140,13 @@ def start(
             f" && mkdir -p {merged}/flip && mount -t tmpfs tmpfs {merged}/flip"
             f" && cp -a {lower}/. {merged}/flip/"
         )
+        argv = (FLIP_ENTRYPOINT, "init")
+    if flip_to_overlay:
+        fu, fw = base / "fu", base / "fw"
+        fu.mkdir()
+        fw.mkdir()
+        fopts = f"lowerdir={lower},upperdir={fu},workdir={fw}"
+        script += f" && mkdir -p {merged}/flip && mount -t overlay overlay -o {fopts} {merged}/flip"
         argv = (FLIP_ENTRYPOINT, "init")
     drop = "setpriv --bounding-set -sys_module " if drop_sys_module else ""
     script += f' && exec {drop}chroot {merged} "$@"'

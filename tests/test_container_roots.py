@@ -283,12 +283,12 @@ def _started(scanner: RootScanner, mode: str) -> RootScanner:
 
 
 def _scanner(rig: Rig, mode: str, **kw: object) -> RootScanner:
+    kw.setdefault("full_scan_s", 0.5)  # the safety net's scans: retiring gone roots sooner
     scanner = RootScanner(
         rig.group.open_root,
         rig.group.marked_devices,
         DRIVER_CONTAINER_RULES,
         interval_s=0.02,
-        full_scan_s=0.5,  # the safety net's scans: retiring gone roots sooner
         exec_events=ExecEvents if mode == "exec events" else None,
         **kw,  # type: ignore[arg-type]
     )
@@ -579,5 +579,114 @@ def test_a_root_flipped_between_check_and_mark_never_gets_its_new_root_marked(
         c.stop()
         until(lambda: not scanner.roots(), "the gone container's root is still listed")
         assert not {flipped["overlay"], flipped["tmpfs"]} & rig.group.marked_devices()
+    finally:
+        scanner.stop()
+
+
+def _problems(scanner: RootScanner) -> list[str]:
+    return [str(r["problem"]) for r in list(scanner.reports) if r["kind"] == "state-problem"]
+
+
+def test_a_marked_container_that_chroots_into_a_new_overlay_gets_it_marked(rig: Rig) -> None:
+    """Exec events: the driver container's process ``exec chroot``s into a second overlay
+    (same pid, same mount namespace). Its command line matches no rule; it is the marked
+    container's process in a root nobody marked, so that root is checked and marked like
+    the first, and opens there go through the responder. (Polling reads a settled pid
+    never again: it cannot see this, and says it polls.)"""
+    scanner = _scanner(rig, "exec events")
+    try:
+        c = rig.start(flip_to_overlay=True)
+        until(lambda: scanner.roots(), "the driver container's root was not marked")
+        (first,) = scanner.roots()
+        c.send("flip")
+        until(lambda: len(scanner.roots()) == 2, "the container's new overlay was not marked")
+        new = os.stat(f"/proc/{c.pid}/root").st_dev
+        assert new != first.dev and {first.dev, new} <= rig.group.marked_devices()
+        second = next(r for r in scanner.roots() if r.dev == new)
+        assert second.pid == c.pid
+        assert second.rule == f"nvidia-driver init (a new root in its container, pid {c.pid})"
+        before = rig.responder.counts["allowed"]
+        p = subprocess.run(c.enter("/bin/sh", "-c", "cat /flip/etc/hostname"), capture_output=True)
+        assert p.returncode in (0, 1)  # the file need not exist: the open is what counts
+        until(lambda: rig.responder.counts["allowed"] > before, "no open was answered")
+    finally:
+        scanner.stop()
+
+
+def test_a_marked_containers_process_in_a_root_that_cannot_be_marked_is_named_once(
+    rig: Rig,
+) -> None:
+    """The same move into a tmpfs: not an overlay, never marked; said once, with the
+    container it belongs to, and not again for the next process there."""
+    scanner = _scanner(rig, "exec events")
+    try:
+        c = rig.start(flip_to_tmpfs=True)
+        until(lambda: scanner.roots(), "the driver container's root was not marked")
+        c.send("flip")
+
+        def named() -> list[str]:
+            return [p for p in _problems(scanner) if f"driver container pid {c.pid}" in p]
+
+        until(named, "the process in the tmpfs was not named")
+        (said,) = named()
+        assert "not an overlay: its loads from there are not held" in said
+        tmpfs = os.stat(f"/proc/{c.pid}/root").st_dev
+        assert tmpfs not in rig.group.marked_devices() and len(scanner.roots()) == 1
+        execs = scanner.status()["exec_events"]
+        subprocess.run(c.enter("/bin/sh", "-c", ":"), check=True)  # another, in the tmpfs
+        until(lambda: scanner.status()["exec_events"] > execs, "the exec was not read")
+        assert len(named()) == 1
+    finally:
+        scanner.stop()
+
+
+def test_a_process_settled_long_ago_that_execs_the_entrypoint_is_marked(rig: Rig) -> None:
+    """A late exec: the container's pid runs a shell first, read and settled (its young
+    window, 0.2 s here, long past: no scan reads it again), then ``exec``s
+    ``nvidia-driver init``. The exec event is the look."""
+    scanner = _scanner(rig, "exec events", recheck_s=0.2)
+    try:
+        c = rig.start(("/bin/sh", "-c", f"read x; exec {ENTRYPOINT} init"))
+        scans = scanner.scans
+        until(
+            lambda: c.pid in scanner._settled and scanner.scans >= scans + 2,
+            "the shell was not read and settled",
+        )
+        assert Path(f"/proc/{c.pid}/cmdline").read_bytes().startswith(b"/bin/sh\0-c\0read x")
+        assert not scanner.roots()
+        c.send("go")
+        until(lambda: scanner.roots(), "the late entrypoint was not marked")
+        assert [r.pid for r in scanner.roots()] == [c.pid]
+    finally:
+        scanner.stop()
+
+
+def test_a_container_that_takes_a_settled_pid_is_marked(rig: Rig) -> None:
+    """Pid reuse, for real: a process is read and settled, dies, and a driver container
+    starts with its pid (``ns_last_pid`` set just before the start; retried while another
+    fork on the machine takes it first). Its exec is read like any other."""
+    scanner = _scanner(rig, "exec events", recheck_s=0.0, full_scan_s=3600.0)
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    try:
+        for _ in range(20):
+            old = subprocess.Popen(["sleep", "1000"])
+            until(lambda old=old: old.pid in scanner._settled, "the process was not settled")
+            old.kill()
+            old.wait()
+            try:
+                last_pid.write_text(str(old.pid - 1))
+            except OSError as exc:
+                print(f"cannot choose the next pid here: {exc}")
+                pytest.skip(f"cannot choose the next pid here: {exc}")
+            c = rig.start()
+            if c.pid == old.pid:
+                break
+            c.stop()
+        else:
+            print("another fork took the pid 20 times in a row")
+            pytest.skip("another fork took the pid 20 times in a row")
+        assert old.pid in scanner._settled  # no full scan let it go: an hour's period
+        until(lambda: scanner.roots(), "the container on a reused pid was not marked")
+        assert [r.pid for r in scanner.roots()] == [old.pid]
     finally:
         scanner.stop()

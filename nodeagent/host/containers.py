@@ -91,6 +91,7 @@ class ContainerRoot:
     command: str
     marked_at: float  # the scanner's clock
     noticed_s: float  # from first seeing the pid to the mark in place
+    mount_ns: tuple[int, int] | None = None  # its process's mount namespace, at the mark
 
     def dev_text(self) -> str:
         return f"{os.major(self.dev)}:{os.minor(self.dev)}"
@@ -389,9 +390,9 @@ class RootScanner:
         except OSError:
             return False  # gone, or a kernel thread racing: the listing settles it
         rule = matching_rule(argv, self.rules)
-        if rule is None:
-            return False
         command = " ".join(argv)[:200]
+        if rule is None:
+            return self._check_member(pid, first_seen, command)
         cannot = self.may_load(pid)
         if cannot is not None:
             # Not final while it is young: a runtime drops capabilities before the exec
@@ -408,6 +409,60 @@ class RootScanner:
         finally:
             opened.close()
 
+    def _check_member(self, pid: int, first_seen: float, command: str) -> bool:
+        """A process of a marked driver container whose root is a new filesystem: that
+        root checked and marked like the container's first. True once handled.
+
+        A driver container's process that ``chroot``s into a new overlay (or is
+        ``exec``'d into the container, then does) loads from a root nobody marked, and its
+        command line matches no rule. Its mount namespace is the container's (a
+        ``chroot`` keeps it; joining it takes ``CAP_SYS_ADMIN`` over it). Asked only while
+        a root is marked: a ``stat`` of ``/proc/<pid>/ns/mnt`` (and of its root when the
+        namespace is a marked container's) per process looked at. A new root that cannot
+        be marked (the host's, the agent's, not an overlay) is named once per container
+        and filesystem, not each time a process runs there; a process that can never
+        load a module is left alone."""
+        with self._lock:
+            marked = {r.mount_ns: r for r in self._roots.values() if r.mount_ns is not None}
+        if not marked:
+            return False
+        ns = _ns_id(f"{self.proc}/{pid}/ns/mnt")
+        container = marked.get(ns) if ns is not None else None
+        if container is None:
+            return False
+        dev = self._dev(f"{self.proc}/{pid}/root")
+        with self._lock:
+            if dev is None or dev in self._roots:
+                return dev is not None  # a root already marked: nothing new
+        if self.may_load(pid) is not None:
+            return True
+        opened = self.open_root(f"{self.proc}/{pid}/root")
+        if opened is None:
+            return False
+        try:
+            what = self._unmarkable(opened)
+            if what is not None:
+                self._problem(
+                    f"a process of the driver container pid {container.pid} runs in "
+                    f"{os.major(opened.dev)}:{os.minor(opened.dev)}, {what}: its loads "
+                    "from there are not held"
+                )
+                return True
+            rule = f"{container.rule} (a new root in its container, pid {container.pid})"
+            return self._mark(pid, first_seen, rule, command, opened)
+        finally:
+            opened.close()
+
+    def _unmarkable(self, opened: OpenedRoot) -> str | None:
+        """Why a root may not be marked (the host's, the agent's, not an overlay), or None."""
+        if opened.dev == self._host_dev:
+            return "the host's own root"
+        if opened.dev == self._own_dev:
+            return "the agent's own root"
+        if opened.fs_type != OVERLAYFS_SUPER_MAGIC:
+            return "not an overlay"
+        return None
+
     def _mark(
         self, pid: int, first_seen: float, rule: str, command: str, opened: OpenedRoot
     ) -> bool:
@@ -418,14 +473,8 @@ class RootScanner:
         marks = self._kernel_marks() if known else None
         if known and (marks is None or dev in marks):
             return True  # another process of a container already marked
-        if opened.fs_type != OVERLAYFS_SUPER_MAGIC or dev in (self._host_dev, self._own_dev):
-            what = (
-                "the host's own root"
-                if dev == self._host_dev
-                else "the agent's own root"
-                if dev == self._own_dev
-                else "not an overlay"
-            )
+        what = self._unmarkable(opened)
+        if what is not None:
             # Not final while it is young: a wrapper (``chroot DIR nvidia-driver init``)
             # matches before its chroot; the entrypoint after it has the overlay root.
             self._not_yet[pid] = (command, f"its root is {what}; not marked")
@@ -442,7 +491,8 @@ class RootScanner:
             self._refuse(pid, command, "the kernel lists no mark on the root checked; unmarked")
             return True
         now = self.clock()
-        marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen)
+        mount_ns = _ns_id(f"{self.proc}/{pid}/ns/mnt")
+        marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen, mount_ns)
         with self._lock:
             self._roots[dev] = marked
         self._report(
