@@ -4,6 +4,8 @@ checkout that dropped every symlink, as Flux's Git source does (flux2#4088)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -12,7 +14,16 @@ from typing import Any
 
 import pytest
 
-from tests.test_helm import CHART, MONITORING_API, TOGGLES, helm, notes, one, render
+from tests.test_helm import (
+    CHART,
+    MONITORING_API,
+    TOGGLES,
+    agent_toml,
+    helm,
+    notes,
+    one,
+    render,
+)
 
 ROOT = CHART.parent.parent.parent
 DEPLOY = ROOT / "deploy"
@@ -145,3 +156,105 @@ def test_openshift_user_workload_monitoring_reads_the_token_from_a_secret() -> N
     (file_endpoint,) = one(file_docs, "ServiceMonitor")["spec"]["endpoints"]
     assert file_endpoint["bearerTokenFile"].endswith("serviceaccount/token")
     assert "Secret" not in kinds(file_docs)
+
+
+# ---------------------------------------------------------------- agent.extraConfig's schema
+
+
+def test_the_charts_extra_config_schema_is_the_one_the_field_tables_make() -> None:
+    from nodeagent.config_schema import CHART_SCHEMA, agent_toml_schema
+
+    checked_in = json.loads(CHART_SCHEMA.read_text())
+    extra = checked_in["properties"]["agent"]["properties"]["extraConfig"]
+    assert extra == agent_toml_schema(), (
+        "values.schema.json is stale: python -m nodeagent.config_schema --chart"
+    )
+
+
+def test_the_schema_has_every_key_the_agent_reads() -> None:
+    from nodeagent.config import Config
+    from nodeagent.config_schema import TABLE_DATACLASSES, agent_toml_schema
+    from nodeagent.guards.registry import GUARDS
+
+    props = agent_toml_schema()["properties"]
+    top = {f.name for f in dataclasses.fields(Config)} - {"policies"}
+    assert set(props) == top | {g.name for g in GUARDS}
+    for name, cls in TABLE_DATACLASSES.items():
+        assert set(props[name]["properties"]) == {f.name for f in dataclasses.fields(cls)}
+
+
+def bounds() -> list[tuple[str, str, dict[str, Any]]]:
+    from nodeagent.config_schema import agent_toml_schema
+
+    props = agent_toml_schema()["properties"]
+    found = [("", k, s) for k, s in props.items() if "properties" not in s]
+    for section, s in props.items():
+        found += [(section, k, v) for k, v in s.get("properties", {}).items()]
+    return found
+
+
+def as_config(section: str, key: str, value: Any) -> dict[str, Any]:
+    return {section: {key: value}} if section else {key: value}
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "schema"),
+    [b for b in bounds() if "enum" in b[2] or "minimum" in b[2]],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_each_bound_and_choice_is_the_agents(
+    section: str, key: str, schema: dict[str, Any]
+) -> None:
+    """The schema refuses what the agent refuses, and no more: its ranges and choices are the
+    agent's own (each checked at its edges against config_from_mapping)."""
+    from nodeagent.config import config_from_mapping
+    from nodeagent.errors import NodeagentError
+
+    if "enum" in schema:
+        good, bad = list(schema["enum"]), ["no-such-choice"]
+    else:
+        lo, hi = schema["minimum"], schema["maximum"]
+        good = [lo, hi]
+        step = 1 if schema["type"] == "integer" else min(lo / 2, 0.001) if lo else 0.001
+        bad = [lo - step, hi + (1 if schema["type"] == "integer" else hi * 0.01)]
+    for value in good:
+        config_from_mapping(as_config(section, key, value))
+    for value in bad:
+        with pytest.raises(NodeagentError):
+            config_from_mapping(as_config(section, key, value))
+
+
+BAD_EXTRA_CONFIG = [
+    ({"storage": {"policy": "unlod"}}, "/agent/extraConfig/storage/policy"),
+    ({"storage": {"polcy": "unload"}}, "'polcy' not allowed"),
+    ({"stroage": {"policy": "unload"}}, "'stroage' not allowed"),
+    ({"peermem": {"hold_budget_seconds": 5000}}, "/agent/extraConfig/peermem/hold_budget_seconds"),
+    ({"sriov": {"parallel": 1.5}}, "/agent/extraConfig/sriov/parallel"),
+    ({"labels": {"nfd": "yes"}}, "/agent/extraConfig/labels/nfd"),
+]
+
+
+@pytest.mark.parametrize(("extra", "where"), BAD_EXTRA_CONFIG)
+def test_a_bad_extra_config_key_or_value_is_refused_at_render_naming_it(
+    extra: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render({"agent": {"extraConfig": extra}})
+    assert where in str(err.value)
+
+
+def test_a_good_extra_config_renders_as_the_agent_reads_it() -> None:
+    """Helm reads values' numbers as floats: a whole-number key (sriov.parallel) must reach
+    agent.toml as 4, not 4.0, which the agent refuses."""
+    extra = {
+        "storage": {"policy": "hold", "modules": ["nvme_rdma"], "reload": False},
+        "peermem": {"hold_budget_seconds": 300, "load_params": []},
+        "sriov": {"parallel": 4},
+        "timeline_keep": 5,
+    }
+    from nodeagent.config import config_from_mapping
+
+    docs = render({"agent": {"extraConfig": extra}})
+    config_from_mapping(agent_toml(docs))
+    assert agent_toml(docs)["sriov"]["parallel"] == 4
+    assert agent_toml(docs)["storage"]["policy"] == "hold"

@@ -56,7 +56,9 @@ too) and the labels. */}}
 {{- $_ := set $cfg "sriov" (dict "numvfs_owner" $a.sriov.numvfsOwner) -}}
 {{- $_ := set $cfg "labels" (dict "nfd" .Values.labels.nfd) -}}
 {{- $_ := set $cfg "npd" (dict "enabled" .Values.npd.enabled) -}}
-{{- $cfg = mustMergeOverwrite $cfg (deepCopy ($a.extraConfig | default dict)) -}}
+{{- $extra := deepCopy ($a.extraConfig | default dict) -}}
+{{- $_ := include "nodeagent.wholeNumbers" $extra -}}
+{{- $cfg = mustMergeOverwrite $cfg $extra -}}
 {{- toToml $cfg -}}
 {{- end -}}
 
@@ -76,4 +78,17 @@ install on its kind. */}}
 (kube-prometheus-stack's selectors want release: <its release>). */}}
 {{- define "nodeagent.withLabels" -}}
 {{- $_ := set .obj.metadata "labels" (merge .obj.metadata.labels (.labels | default dict)) -}}
+{{- end -}}
+
+{{/* Whole numbers in a map (and the maps in it) made integers, in place: Helm reads values'
+numbers as floats, and toToml would write 4 as 4.0, which the agent's whole-number keys
+(sriov.parallel, timeline_keep) refuse. */}}
+{{- define "nodeagent.wholeNumbers" -}}
+{{- range $key, $value := . -}}
+{{- if kindIs "map" $value -}}
+{{- $_ := include "nodeagent.wholeNumbers" $value -}}
+{{- else if and (kindIs "float64" $value) (eq (float64 (int64 $value)) $value) -}}
+{{- $_ := set $ $key (int64 $value) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
