@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate", help="replay the seed incidents on a simulated node", add_help=False
     )
     sim.add_argument("rest", nargs=argparse.REMAINDER)
+    sup = sub.add_parser(
+        "supervise",
+        help="the container's first process: runs `nodeagent ARGS...`, restarts it if it "
+        "dies unasked, forwards SIGTERM",
+        add_help=False,
+    )
+    sup.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -125,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if argv[:1] == ["supervise"]:  # the container's first process: it runs `nodeagent ARGS`
+        from nodeagent.supervise import supervise_main
+
+        return supervise_main(argv[1:])
     if argv[:1] == ["simulate"]:
         from nodeagent.sim.cli import simulate_main
 
