@@ -258,3 +258,82 @@ def test_a_good_extra_config_renders_as_the_agent_reads_it() -> None:
     config_from_mapping(agent_toml(docs))
     assert agent_toml(docs)["sriov"]["parallel"] == 4
     assert agent_toml(docs)["storage"]["policy"] == "hold"
+
+
+# ---------------------------------------------------------------- names, images, pod metadata
+
+
+def test_name_overrides_rename_every_object_and_every_reference() -> None:
+    docs = render(TOGGLES["names, digests, pod metadata"])
+    full, name = "gpu-node-agent", "gpu-agent"
+    for doc in docs:
+        assert not doc["metadata"]["name"].startswith("nodeagent"), doc["metadata"]["name"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == name, doc["kind"]
+    ds = one(docs, "DaemonSet", full)
+    pod = ds["spec"]["template"]
+    assert ds["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == name, "podLabels lose here"
+    assert pod["metadata"]["labels"]["team"] == "gpu"
+    assert pod["metadata"]["annotations"]["example.com/owner"] == "gpu"
+    assert "checksum/config" in pod["metadata"]["annotations"]
+    one(docs, "ServiceAccount", pod["spec"]["serviceAccountName"])
+    (config,) = [v for v in pod["spec"]["volumes"] if v["name"] == "config"]
+    one(docs, "ConfigMap", config["configMap"]["name"])
+    assert one(docs, "Service", full)["spec"]["selector"] == {"app.kubernetes.io/name": name}
+    sm = one(docs, "ServiceMonitor", full)
+    assert sm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+    one(docs, "Secret", sm["spec"]["endpoints"][0]["authorization"]["credentials"]["name"])
+    for binding in (d for d in docs if d["kind"] == "ClusterRoleBinding"):
+        one(docs, "ClusterRole", binding["roleRef"]["name"])
+        for subject in binding["subjects"]:
+            one(docs, "ServiceAccount", subject["name"])
+    (role,) = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == f"{full}-scc"
+    ]
+    assert role["rules"][0]["resourceNames"] == [full]
+    one(docs, "SecurityContextConstraints", full)
+    exprs = [r["expr"] for g in one(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]]
+    assert any(f'job="{full}"' in e for e in exprs) and not any(
+        'job="nodeagent"' in e for e in exprs
+    )
+    text = notes(TOGGLES["names, digests, pod metadata"])
+    assert f"app.kubernetes.io/name={name}" in text and f"daemonset/{full}" in text
+
+
+def test_the_image_is_registry_repository_and_the_digest_wins_over_the_tag() -> None:
+    containers = {
+        c["name"]: c
+        for c in one(render(TOGGLES["names, digests, pod metadata"]), "DaemonSet")["spec"][
+            "template"
+        ]["spec"]["containers"]
+    }
+    assert containers["nodeagent"]["image"] == (
+        "registry.example:5000/ml/nodeagent@sha256:" + "a" * 64
+    )
+    assert containers["kube-rbac-proxy"]["image"] == "mirror.example/brancz/kube-rbac-proxy:v0.19.0"
+    assert containers["kube-rbac-proxy"]["imagePullPolicy"] == "IfNotPresent"
+    plain = one(render(), "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert plain[0]["image"] == "nodeagent:0.1.0", "the tag defaults to the chart's appVersion"
+    assert plain[1]["image"] == "quay.io/brancz/kube-rbac-proxy:v0.19.1"
+    no_tag = {"metrics": {"kubeRbacProxy": {"image": {"tag": ""}}}}
+    with pytest.raises(helm.HelmError, match=r"metrics\.kubeRbacProxy\.image\.tag or"):
+        render(no_tag)
+
+
+BAD_NAMES_AND_IMAGES = [
+    ({"image": {"digest": "sha256:abc"}}, "/image/digest"),
+    ({"image": {"tag": "0.1.0@sha256:" + "a" * 64}}, "/image/tag"),
+    ({"image": {"repository": "x/nodeagent:0.1.0"}}, "/image/repository"),
+    ({"nameOverride": "Bad_Name"}, "/nameOverride"),
+    ({"podLabels": {"team": 1}}, "/podLabels"),
+    ({"metrics": {"kubeRbacProxy": {"image": "quay.io/x:1"}}}, "/metrics/kubeRbacProxy/image"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_NAMES_AND_IMAGES)
+def test_bad_names_and_images_are_refused_naming_the_key(
+    values: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render(values)
+    assert where in str(err.value)

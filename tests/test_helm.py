@@ -109,6 +109,24 @@ TOGGLES: dict[str, dict[str, Any]] = {
         "image": {"repository": "registry.example/nodeagent", "tag": "0.1.1"},
         "imagePullSecrets": [{"name": "pull"}],
     },
+    "names, digests, pod metadata": {
+        "nameOverride": "gpu-agent",
+        "fullnameOverride": "gpu-node-agent",
+        "image": {
+            "registry": "registry.example:5000",
+            "repository": "ml/nodeagent",
+            "tag": "ignored",
+            "digest": "sha256:" + "a" * 64,
+        },
+        "metrics": {"kubeRbacProxy": {"image": {"registry": "mirror.example", "tag": "v0.19.0"}}},
+        "podAnnotations": {"example.com/owner": "gpu"},
+        "podLabels": {"team": "gpu", "app.kubernetes.io/name": "not-the-selector"},
+        "platform": {"openshift": True},
+        **MONITORING_API,
+        "serviceMonitor": {"token": "secret"},
+        "dashboard": {"enabled": True},
+        "npd": {"pluginConfigMap": True},
+    },
     "extraObjects": {
         "extraObjects": [
             {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {}}
@@ -138,7 +156,8 @@ def test_every_rendered_object_validates_against_kubernetes(kube: str, toggle: s
 
 
 def agent_toml(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return tomllib.loads(one(docs, "ConfigMap", "nodeagent-config")["data"]["agent.toml"])
+    (config,) = [d for d in docs if d["metadata"]["name"].endswith("-config")]
+    return tomllib.loads(config["data"]["agent.toml"])
 
 
 @pytest.mark.parametrize("toggle", TOGGLES)

@@ -1,6 +1,42 @@
+{{/* The app's name (app.kubernetes.io/name, selectors): nameOverride, else the chart's. */}}
+{{- define "nodeagent.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The objects' name, and the prefix of the others' (nodeagent-config...):
+fullnameOverride, else the name. Not the release's: one node agent a cluster, and the
+kustomize base's names (tests/test_helm.py compares the two). */}}
+{{- define "nodeagent.fullname" -}}
+{{- .Values.fullnameOverride | default (include "nodeagent.name" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* A base file's name (nodeagent, nodeagent-<suffix>) with the fullname in its place. */}}
+{{- define "nodeagent.renamed" -}}
+{{- if hasPrefix "nodeagent" .name -}}
+{{- printf "%s%s" (include "nodeagent.fullname" .root) (trimPrefix "nodeagent" .name) -}}
+{{- else -}}
+{{- .name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An image reference from {registry, repository, tag, digest}: the digest wins over the
+tag; the tag defaults to .default (the chart's appVersion for the agent). */}}
+{{- define "nodeagent.imageRef" -}}
+{{- $i := .image -}}
+{{- $ref := $i.repository -}}
+{{- with $i.registry }}{{ $ref = printf "%s/%s" (trimSuffix "/" .) $ref }}{{ end -}}
+{{- if $i.digest -}}
+{{- printf "%s@%s" $ref $i.digest -}}
+{{- else -}}
+{{- $tag := $i.tag | default .default -}}
+{{- if not $tag }}{{ fail (printf "chart: %s.tag or %s.digest must be set" .key .key) }}{{ end -}}
+{{- printf "%s:%s" $ref $tag -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The labels every object gets: the base's (kustomize's `labels`) and Helm's. */}}
 {{- define "nodeagent.labels" -}}
-app.kubernetes.io/name: nodeagent
+app.kubernetes.io/name: {{ include "nodeagent.name" . }}
 app.kubernetes.io/part-of: nodeagent
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
@@ -22,6 +58,7 @@ too) and the labels. */}}
 {{- if $obj.kind -}}
 {{- $meta := $obj.metadata -}}
 {{- $_ := set $meta "labels" (merge (include "nodeagent.labels" $.root | fromYaml) ($meta.labels | default dict)) -}}
+{{- include "nodeagent.rename" (dict "root" $.root "obj" $obj) -}}
 {{- if not (has $obj.kind (list "ClusterRole" "ClusterRoleBinding" "SecurityContextConstraints")) -}}
 {{- $_ := set $meta "namespace" $.root.Release.Namespace -}}
 {{- end -}}
@@ -89,6 +126,49 @@ numbers as floats, and toToml would write 4 as 4.0, which the agent's whole-numb
 {{- $_ := include "nodeagent.wholeNumbers" $value -}}
 {{- else if and (kindIs "float64" $value) (eq (float64 (int64 $value)) $value) -}}
 {{- $_ := set $ $key (int64 $value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* nameOverride and fullnameOverride through a base object: its name, the names it refers
+to (service account, config map, role, SCC) and its selectors' app.kubernetes.io/name. */}}
+{{- define "nodeagent.rename" -}}
+{{- $root := .root -}}
+{{- $o := .obj -}}
+{{- $name := include "nodeagent.name" $root -}}
+{{- $_ := set $o.metadata "name" (include "nodeagent.renamed" (dict "root" $root "name" $o.metadata.name)) -}}
+{{- with $o.spec -}}
+{{- $selectors := list (.selector | default dict) ((.selector | default dict).matchLabels | default dict) -}}
+{{- with .template -}}
+{{- $selectors = append $selectors .metadata.labels -}}
+{{- $pod := .spec -}}
+{{- $_ := set $pod "serviceAccountName" (include "nodeagent.renamed" (dict "root" $root "name" $pod.serviceAccountName)) -}}
+{{- range $vol := $pod.volumes -}}
+{{- with $vol.configMap -}}
+{{- $_ := set . "name" (include "nodeagent.renamed" (dict "root" $root "name" .name)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $labels := $selectors -}}
+{{- if hasKey $labels "app.kubernetes.io/name" -}}{{- $_ := set $labels "app.kubernetes.io/name" $name -}}{{- end -}}
+{{- end -}}
+{{- range $group := (.groups | default list) -}}
+{{- range $rule := $group.rules -}}
+{{- $_ := set $rule "expr" (replace "job=\"nodeagent\"" (printf "job=%q" (include "nodeagent.fullname" $root)) $rule.expr) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- with $o.roleRef -}}
+{{- $_ := set . "name" (include "nodeagent.renamed" (dict "root" $root "name" .name)) -}}
+{{- end -}}
+{{- range $s := ($o.subjects | default list) -}}
+{{- $_ := set $s "name" (include "nodeagent.renamed" (dict "root" $root "name" $s.name)) -}}
+{{- end -}}
+{{- range $rule := ($o.rules | default list) -}}
+{{- with $rule.resourceNames -}}
+{{- $names := list -}}
+{{- range $n := . }}{{ $names = append $names (include "nodeagent.renamed" (dict "root" $root "name" $n)) }}{{ end -}}
+{{- $_ := set $rule "resourceNames" $names -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
