@@ -281,3 +281,21 @@ def test_garbage_in_proc_locks_and_mountinfo_is_named_and_skipped(root: Path) ->
     storage = d.verdicts["storage"]  # the mount read past the garbage is a named user
     assert storage.verdict == "in-use"
     assert storage.reasons[0] == "rpcrdma is in use: NFS-over-RDMA mount /mnt/a b (srv:/x)"
+
+
+def test_a_crashed_writers_temp_with_our_pid_is_replaced_not_a_failure(tmp_path: Path) -> None:
+    """A killed agent's temp file (``.<name>.tmp.<pid>``) whose pid a later agent has: the
+    write removes it and goes on; a leftover symlink there is removed, never followed."""
+    host = HostRoot(str(tmp_path))
+    (tmp_path / "run/nodeagent").mkdir(parents=True)
+    leftover = tmp_path / f"run/nodeagent/.status.json.tmp.{os.getpid()}"
+    leftover.write_bytes(b"half a file")
+    assert host.write_atomic("run/nodeagent/status.json", b"{}")
+    assert (tmp_path / "run/nodeagent/status.json").read_bytes() == b"{}"
+    assert not leftover.exists()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"keep")
+    leftover.symlink_to(target)
+    assert host.write_atomic("run/nodeagent/status.json", b"[]", durable=False)
+    assert target.read_bytes() == b"keep" and not leftover.is_symlink()
+    assert (tmp_path / "run/nodeagent/status.json").read_bytes() == b"[]"

@@ -453,10 +453,12 @@ class HostRoot:
             except FileNotFoundError:
                 pass
             tmp = f".{name}.tmp.{os.getpid()}"
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=dfd)  # a leftover of a crashed writer with our pid
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags | os.O_NONBLOCK, mode, dir_fd=dfd)
+            try:
+                fd = os.open(tmp, flags | os.O_NONBLOCK, mode, dir_fd=dfd)
+            except FileExistsError:  # a leftover of a crashed writer with our pid
+                os.unlink(tmp, dir_fd=dfd)  # (only then: a beat writes this way every second)
+                fd = os.open(tmp, flags | os.O_NONBLOCK, mode, dir_fd=dfd)
             try:
                 view = memoryview(data)
                 while view:
