@@ -19,6 +19,7 @@ from tests.test_helm import (
     MONITORING_API,
     TOGGLES,
     agent_toml,
+    allowing_unset_image,
     helm,
     notes,
     one,
@@ -79,7 +80,9 @@ def test_a_checkout_without_symlinks_renders_and_lints_the_same(tmp_path: Path) 
     ours, theirs = helm.Chart.load(str(copy)), helm.Chart.load(str(CHART))
     for values in TOGGLES.values():
         args = {"name": "nodeagent", "namespace": "nodeagent", "is_install": True}
-        assert ours.render(values, **args) == theirs.render(values, **args)
+        assert ours.render(allowing_unset_image(values), **args) == theirs.render(
+            allowing_unset_image(values), **args
+        )
     report = helm.lint(str(copy), {}, strict=True)
     assert report["errors"] == [] and report["messages"] == [], report
 
@@ -92,7 +95,9 @@ def test_the_chart_fails_naming_the_sync_when_a_copy_is_missing(
     shutil.copytree(CHART, copy)
     (copy / "files/base/daemonset.yaml").unlink()
     with pytest.raises(helm.HelmError, match=r"run scripts/sync-chart\.sh"):
-        helm.Chart.load(str(copy)).render(values, name="nodeagent", namespace="nodeagent")
+        helm.Chart.load(str(copy)).render(
+            allowing_unset_image(values), name="nodeagent", namespace="nodeagent"
+        )
 
 
 # ---------------------------------------------------------------- monitoring
@@ -337,3 +342,25 @@ def test_bad_names_and_images_are_refused_naming_the_key(
     with pytest.raises(helm.HelmError) as err:
         render(values)
     assert where in str(err.value)
+
+
+# ---------------------------------------------------------------- the unpublished default image
+
+
+def test_an_install_with_the_unpublished_default_image_fails_saying_what_to_set() -> None:
+    """Not an ImagePullBackOff on every node: one line, what to set and how to build it."""
+    for values in ({}, {"image": {"tag": "0.1.0"}}, {"image": {"digest": "sha256:" + "b" * 64}}):
+        with pytest.raises(helm.HelmError) as err:
+            helm.Chart.load(str(CHART)).render(values, name="nodeagent", namespace="nodeagent")
+        message = str(err.value)
+        assert "the image nodeagent is published nowhere" in message
+        assert "build and push yours" in message and "image.registry=" in message
+        assert "image.allowUnset=true" in message
+    lint = helm.lint(str(CHART), {}, strict=True)  # lint logs a fail and goes on
+    assert lint["errors"] == [] and lint["messages"] == [], lint
+    for mine in (
+        {"image": {"registry": "registry.example"}},
+        {"image": {"repository": "registry.example/nodeagent"}},
+        {"image": {"allowUnset": True}},
+    ):
+        helm.Chart.load(str(CHART)).render(mine, name="nodeagent", namespace="nodeagent")
