@@ -12,6 +12,7 @@ pid namespace, or a new network namespace, asks the same kernel.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -352,3 +353,36 @@ def test_a_stream_of_execs_is_looked_at_a_bounded_number_of_times(tmp_path: Path
         assert looks < 100, looks  # one a wake would be about one an exec
     finally:
         scanner.stop()
+
+
+def test_a_container_root_whose_mark_failed_is_marked_once_marks_free_up(tmp_path: Path) -> None:
+    """``ENOSPC`` (``max_user_marks`` spent): the match is named once, then tried again at
+    full scans a period apart while it runs, and marked when the kernel takes the mark.
+    Before, a failed mark settled the pid: its loads went unheld for its whole life."""
+    fake = FakeProc(tmp_path, DRIVER)
+    full = 0.0
+    scanner = fake.scanner(exec_events=None, full_scan_s=2.0, clock=lambda: full)
+    refuse = [True]
+
+    def mark() -> None:
+        if refuse[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fake.marks.add(77)
+
+    scanner.open_root = lambda path: OpenedRoot(77, 0x794C7630, mark, lambda: None, lambda: None)
+    scanner.prepare()
+    scanner.scan()
+    assert scanner.roots() == []
+    (said,) = [r["problem"] for r in scanner.reports if r["kind"] == "state-problem"]
+    assert "cannot mark its root: No space left on device; tried again every 2 s" in said
+    full = 1.0
+    scanner.scan()  # within the period: not tried again, not named again
+    full = 2.5
+    scanner.scan()  # tried again, refused again: still said once
+    assert scanner.roots() == [] and len(scanner.refused) == 1
+    refuse[0] = False  # marks freed
+    full = 5.0
+    scanner.scan()
+    assert [r.pid for r in scanner.roots()] == [4242] and fake.marks == {77}
+    assert [r["kind"] for r in scanner.reports] == ["state-problem", "hold-root-marked"]
+    assert not scanner.refused  # status's "not_marked" no longer lists it

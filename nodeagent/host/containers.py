@@ -49,7 +49,9 @@ The root is resolved once (``open_root``: an ``O_PATH`` descriptor of
 ``/proc/<pid>/root``); that descriptor is checked and marked, so a process
 flipping its root between the check and the mark cannot get another filesystem
 marked. The kernel's list of marks is read back after marking; a root the
-kernel does not list is unmarked and named. Status shows the device marked.
+kernel does not list is unmarked and named. A mark the kernel refuses
+(``ENOSPC``: ``max_user_marks`` spent) is named once and tried again every
+full scan period while the process runs. Status shows the device marked.
 
 A marked root is kept while the kernel keeps its mark (``fdinfo``): the kernel
 drops a filesystem mark when its superblock goes (the runtime unmounts the
@@ -209,6 +211,8 @@ class RootScanner:
         self._young: dict[int, float] = {}  # pid -> first seen: its command is read again
         self._not_yet: dict[int, tuple[str, str]] = {}  # young matches not markable yet: why
         self._settled: set[int] = set()  # pids read for the last time (matched or too old)
+        # Matches whose root's mark failed: pid -> (first seen, last tried); retried.
+        self._mark_failed: dict[int, tuple[float, float]] = {}
         self._roots: dict[int, ContainerRoot] = {}  # dev -> root
         # The last matches refused, for status: (pid, command, why); bounded.
         self.refused: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=16)
@@ -382,6 +386,16 @@ class RootScanner:
                     self._refuse(pid, *refused)
         self._not_yet = {p: why for p, why in self._not_yet.items() if p in young}
         self._young = young
+        self._retry_marks(pids, now)
+
+    def _retry_marks(self, pids: set[int], now: float) -> None:
+        """Try again the roots whose mark failed, once a full scan period after the last
+        try, while their process runs; a process gone is let go."""
+        for pid, (first_seen, tried) in list(self._mark_failed.items()):
+            if pid not in pids:
+                del self._mark_failed[pid]
+            elif now - tried >= self.full_scan_s:
+                self._check(pid, first_seen)
 
     def _check(self, pid: int, first_seen: float) -> bool:
         """True when ``pid`` needs no further look (matched and handled)."""
@@ -482,8 +496,21 @@ class RootScanner:
         try:
             opened.mark()
         except OSError as exc:
-            self._refuse(pid, command, f"cannot mark its root: {exc.strerror or exc}")
+            # Retried at full scans while the process runs (ENOSPC: the marks of
+            # ``max_user_marks`` may free up); named once, not at every try.
+            if pid not in self._mark_failed:
+                self._refuse(
+                    pid,
+                    command,
+                    f"cannot mark its root: {exc.strerror or exc}; tried again every "
+                    f"{self.full_scan_s:g} s while it runs",
+                )
+            self._mark_failed[pid] = (first_seen, self.clock())
             return True
+        if self._mark_failed.pop(pid, None) is not None:  # no longer "not marked"
+            kept = [r for r in self.refused if r[0] != pid]
+            self.refused.clear()
+            self.refused.extend(kept)
         after = self._kernel_marks()
         if after is not None and dev not in after:  # what was checked is not what is marked
             with contextlib.suppress(OSError):
