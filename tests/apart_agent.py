@@ -15,6 +15,7 @@ filesystem: the driver tree lands on it).
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -55,7 +56,11 @@ def build(root: Path, hooks: LoopHooks | None = None) -> tuple[Agent, Node]:
 def main(argv: list[str]) -> int:
     """As ``nodeagent run`` stops: SIGTERM through ``StopOnSignal`` (a drain first while a
     load is held with the gate closed; a second signal stops at once)."""
-    agent, node = build(Path(argv[1]))
+    root = Path(argv[1])
+    # Each agent process builds its simulated node anew (one the supervisor restarted
+    # finds the last one's).
+    shutil.rmtree(root / "sys", ignore_errors=True)
+    agent, node = build(root)
     try:
         with StopOnSignal(agent.stop_on_signal, grace_seconds=1.5) as signals:
             signals.stop_now = agent.stop

@@ -42,6 +42,12 @@ def _held(root: Path, pid: int, responder: int | None = None) -> bool:
     return any(h.get("pid") == pid for h in status.get("held", []))
 
 
+def responder_running(root: Path, what: str) -> int:
+    """The responder's pid, once status says the hold runs."""
+    status = until(lambda: (s := _hold_status(root)).get("state") == "running" and s, what)
+    return int(status["responder_pid"])
+
+
 def _kinds(root: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in records(root / "var/lib/nodeagent/timeline.jsonl") if r.get("kind") == kind]
 
@@ -56,11 +62,7 @@ def test_a_held_load_stays_held_across_a_rollout_and_goes_on_when_the_gate_opens
         try:
             first = _agent(root)
             procs.append(first)
-            status = until(
-                lambda: (s := _hold_status(root)).get("state") == "running" and s,
-                "the first agent's hold did not start",
-            )
-            responder = int(status["responder_pid"])
+            responder = responder_running(root, "the first agent's hold did not start")
             (ko,) = driver.rglob("nvidia-peermem.ko*")
             want = ko.read_bytes()
             loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)

@@ -7,7 +7,8 @@ On this machine's kernel, with a real fanotify group on a tmpfs:
 - the agent's whole process stopped (``SIGSTOP``): opens of other files on the
   marked filesystem keep completing, a module loader's open of
   ``nvidia-peermem.ko`` waits (the gate is closed); the agent killed while
-  stopped: the responder goes with it and the held load goes on;
+  stopped: the responder holds on (issue 52: the next agent adopts it), the load
+  goes on only with the responder's death too (the pod's);
 - the loop thread stalled 10 s (a seam: its ``pass_context`` blocks) with the
   gate open: the lease runs out as the gate file's does, a load waits while
   ``nodeagent wait`` would, other opens keep completing; the loop back, the
@@ -152,7 +153,7 @@ def _unmounted(driver: Path) -> Iterator[None]:
 # -- the agent stopped, then killed ----------------------------------------------------
 
 
-def test_a_stopped_agent_stalls_no_open_and_a_killed_one_takes_its_responder_along(
+def test_a_stopped_agent_stalls_no_open_and_a_killed_one_leaves_its_responder_holding(
     tmp_path: Path,
 ) -> None:
     root, driver = driver_root(tmp_path)
@@ -189,13 +190,16 @@ def test_a_stopped_agent_stalls_no_open_and_a_killed_one_takes_its_responder_alo
             _opens_complete(other, 5)  # still answering, the load still held
             assert loader.poll() is None
 
-            # Killed while stopped: its end of the life pipe closes, the responder lets go
-            # of every held open and exits; the load goes on (nothing decides it any more).
+            # Killed while stopped, without a stop (issue 52): the responder holds on for
+            # the next agent to adopt it (tests/test_hold_adopt.py), gate closed, still
+            # answering; only the pod's death (every process of it) lets the load go.
             os.kill(agent.pid, signal.SIGKILL)
             agent.wait(WAIT)
+            _opens_complete(other, 5)
+            assert loader.poll() is None and _alive(responder)
+            os.kill(responder, signal.SIGKILL)
             out, _ = loader.communicate(timeout=WAIT)
             assert loader.returncode == 0 and out == ko.read_bytes()
-            until(lambda: not _alive(responder), "the responder outlived the agent")
         finally:
             for p in (loader, agent):
                 if p is not None and p.poll() is None:

@@ -38,7 +38,7 @@ from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
 
 if TYPE_CHECKING:
     from nodeagent.host.containers import RootScanner
-    from nodeagent.host.hold import HoldGroup, HoldHost, HoldResponder
+    from nodeagent.host.hold import DescriptorBudget, HoldGroup, HoldHost, HoldResponder
     from nodeagent.host.responder_apart import ResponderProcess
 
 log = logging.getLogger("nodeagent")
@@ -191,7 +191,86 @@ class PeermemHold(GuardSide):
                 group, host, run = prepared
                 self._adopt(group, host, run())
             return
+        if self._adopt_left_responder():
+            return
         self._start_apart()
+
+    @property
+    def _state_path(self) -> str:
+        return str(self.ctx.host.path(self.ctx.paths.state_dir))
+
+    def _adopt_left_responder(self) -> bool:
+        """The responder the last agent left when it died without a stop (its pod alive: the
+        supervisor started this agent): adopted, it holds on and answers this agent; what it
+        holds goes on when this agent's gate opens (issue 52). True once it is the hold.
+        Bounded: a local socket and the responder's answer (``ADOPT_TIMEOUT_S``), only
+        when its file is there."""
+        from nodeagent.host.fanotify import FanotifyGroup
+        from nodeagent.host.hold import HoldHost, start_hold
+        from nodeagent.host.responder_apart import adopt
+
+        pol, ctx = self.ctx.policy, self.ctx
+        host = ctx.ports.hold_host or HoldHost(group=FanotifyGroup)
+        if not (host.apart and host.group is FanotifyGroup):
+            return False
+        try:
+            process = adopt(
+                self._state_path,
+                budget_s=pol.hold_budget_s,
+                on_report=lambda: ctx.wake("held open ended"),
+                proc=host.proc,
+            )
+        except OSError as exc:
+            problem = (
+                f"peermem.hold_loads: the responder a dead agent left could not be adopted "
+                f"({exc}): it was killed, what it held went on; starting a new one"
+            )
+            log.warning("%s", problem)
+            ctx.record({"kind": "state-problem", "problem": problem})
+            return False
+        if process is None:
+            return False
+        group = process.group
+
+        def apart(budget: DescriptorBudget) -> ResponderProcess:
+            process.descriptors = budget
+            return process
+
+        started = start_hold(
+            group,
+            group.mark_filesystem,  # (marked already: marking again changes nothing)
+            [(r, str(ctx.host.path(r))) for r in pol.hold_roots],
+            gate_open=lambda: self.gate_open,
+            budget_s=pol.hold_budget_s,
+            host_pids=host.host_pids(),
+            containers=bool(pol.hold_containers),
+            on_report=lambda: ctx.wake("held open ended"),
+            host=host,
+            apart=apart,
+        )
+        if not self._adopt(group, host, started):
+            return False
+        said = process.adopted_from or {}
+        self.unclean_end = False  # nothing went: it held on
+        ctx.record(
+            {
+                "kind": "hold-adopted",
+                "guard": ctx.name,
+                "responder_pid": process.pid,
+                "held_count": said.get("held_count"),
+                "held": said.get("held", []),
+                "orphaned_s": said.get("orphaned_s"),
+                "meaning": "the last agent died without a stop while its pod lived; its "
+                "responder held on (its gate closed) and this agent adopted it: what it "
+                "holds goes on when this agent's gate opens",
+            }
+        )
+        log.warning(
+            "peermem hold: adopted the responder %s the last agent left (%s held)",
+            process.pid,
+            said.get("held_count"),
+        )
+        return True
 
     @property
     def _running_rel(self) -> str:
@@ -320,6 +399,7 @@ class PeermemHold(GuardSide):
                 on_report=on_report,
                 proc=host.proc,
                 track=track,
+                adopt_dir=self._state_path,
             )
         host_pids = host.host_pids()
 

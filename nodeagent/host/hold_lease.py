@@ -42,6 +42,14 @@ class HoldLease:
         self.fd = os.memfd_create("nodeagent-hold-gate", os.MFD_CLOEXEC)
         self.write(False)
 
+    @classmethod
+    def adopt(cls, fd: int) -> HoldLease:
+        """The lease of a responder this agent adopted (its memfd, as it is: read closed
+        while it was an orphan)."""
+        lease = cls.__new__(cls)
+        lease.fd = fd
+        return lease
+
     def fileno(self) -> int:
         return self.fd
 

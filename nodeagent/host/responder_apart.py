@@ -11,8 +11,12 @@ keeps what only it can do (decide, mark, record) and this handle:
   that stops renewing leaves the lease to run out: loads wait, other opens go;
 - **death, either way.** The agent keeps its own copy of the group (it marks
   through it), so the kernel lets pending opens go only when both are closed:
-  - the agent dies or stops: its end of the life pipe closes, the process lets
-    everything go and exits;
+  - the agent stops: it writes ``STOP_WORD`` and closes its end of the life pipe;
+    the process lets everything go and exits;
+  - the agent dies (its end closes without the word; issue 52): the process holds
+    on, its gate closed, and waits on ``ADOPT_SOCKET`` in the state directory for
+    the next agent, which ``adopt``s it (the group, the lease and the eventfd come
+    back over ``SCM_RIGHTS``); nobody within the hold's budget, it lets go and exits;
   - the process dies: the reader thread sees its pipe end, closes the agent's
     copy at once (the kernel allows what was pending), and says so; the
     hold's side starts a new group, process and marks on its next pass
@@ -30,6 +34,9 @@ import json
 import os
 import select
 import signal
+import socket
+import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -49,6 +56,13 @@ READY_TIMEOUT_S = 15.0  # a Python start under a loaded node; the hold marks not
 # kernel lets what it held go, and a new one is started.
 STUCK_S = 10.0
 STOP_TIMEOUT_S = 2.0  # its held opens let go and its last reports read, else SIGKILL
+# In the agent's state directory while a responder may be adopted (root-only, 0600, its
+# name never followed through a symlink): a responder whose agent died without a stop
+# waits there for the next agent (issue 52).
+ADOPT_SOCKET = "hold.sock"
+ADOPT_TIMEOUT_S = 2.0  # the responder's answer to an adopting agent
+STOP_WORD = b"s"  # written to the life pipe before its end closes: a stop, not a death
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 COUNT_KEYS = (
     "allowed",
     "held",
@@ -69,6 +83,7 @@ def spawner(
     proc: str = "/proc",
     ignore_marks: str = "auto",
     track: Callable[[ResponderProcess], None] = lambda responder: None,
+    adopt_dir: str | None = None,
 ) -> Callable[[DescriptorBudget], ResponderProcess]:
     """``start_hold``'s ``apart``: a responder process for ``group``, started (it answers
     before the hold marks anything); OSError when it does not. ``track``: given each one
@@ -83,6 +98,7 @@ def spawner(
             on_report=on_report,
             proc=proc,
             ignore_marks=ignore_marks,
+            adopt_dir=adopt_dir,
         )
         track(responder)
         responder.start()
@@ -112,19 +128,24 @@ class ResponderProcess:
         group: FanotifyGroup,
         *,
         budget_s: float,
-        descriptors: DescriptorBudget,
+        descriptors: DescriptorBudget | None,
         on_report: Callable[[], None] = lambda: None,
         proc: str = "/proc",
         burst_quiet_s: float = BURST_QUIET_S,
         python: str = sys.executable,
         ready_timeout_s: float = READY_TIMEOUT_S,
         ignore_marks: str = "auto",
+        adopt_dir: str | None = None,
     ) -> None:
         """``on_report``: called from the reader thread (a pipe write: it must not block)
         when a report or a notice arrives, and when the process dies. ``ignore_marks``:
         ``auto`` (what the kernel supports), ``evictable``, ``pinned`` or ``off``
-        (``host/fanotify.IgnoreMarks``; a test forces the fallbacks)."""
+        (``host/fanotify.IgnoreMarks``; a test forces the fallbacks). ``adopt_dir``: the
+        state directory, where the process waits to be adopted if this agent dies without
+        a stop (``ADOPT_SOCKET``; None: it lets go at the agent's death)."""
         self.ignore_marks = ignore_marks
+        self.adopt_dir = adopt_dir
+        self.adopted_from: dict[str, Any] | None = None  # what it said when adopted
         self.group = group
         self.budget_s = budget_s
         self.descriptors: DescriptorBudget | None = descriptors
@@ -149,7 +170,7 @@ class ResponderProcess:
         self._stopping = False
         self._aborted = False  # abort(): the agent stopped while it started
         self._ready = False  # start() saw it answer, and no abort before
-        self._popen: subprocess.Popen[bytes] | None = None
+        self._popen: subprocess.Popen[bytes] | Adopted | None = None
         self._lease: HoldLease | None = None
         self._wake_fd = -1
         self._life_w = -1
@@ -175,6 +196,21 @@ class ResponderProcess:
             "life": life_r,
             "out": out_w,
         }
+        listener = None
+        if self.adopt_dir is not None:
+            try:
+                listener = bind_adopt_socket(self.adopt_dir)
+                fds["adopt"] = listener.fileno()
+            except OSError as exc:  # held loads go with this agent, as before: said
+                self.notices.append(
+                    {
+                        "kind": "hold-not-adoptable",
+                        "error": str(exc)[:200],
+                        "meaning": "the responder cannot wait to be adopted: if this agent "
+                        "dies while its pod lives, what it holds goes on at once",
+                    }
+                )
+                self.reported += 1
         passed = tuple(fds.values())  # the only descriptors it inherits
         spec: dict[str, object] = {
             **fds,
@@ -207,6 +243,8 @@ class ResponderProcess:
         finally:
             os.close(life_r)
             os.close(out_w)
+            if listener is not None:
+                listener.close()  # (its copy is the process's)
         self.pid = self._popen.pid
         try:
             self._wait_ready()
@@ -218,6 +256,29 @@ class ResponderProcess:
             self._kill()
             self._close_fds()
             raise
+        self._reader = threading.Thread(
+            target=self._read_loop, name="hold-responder-reader", daemon=True
+        )
+        self._reader.start()
+
+    def _adopted(
+        self,
+        pid: int,
+        lease: HoldLease,
+        wake_fd: int,
+        life_w: int,
+        out_r: int,
+        reply: dict[str, Any],
+    ) -> None:
+        """A responder left by a dead agent, now this one's (``adopt``): its reader starts."""
+        self._popen = Adopted(pid)
+        self.pid = pid
+        self._lease, self._wake_fd, self._life_w, self._out_r = lease, wake_fd, life_w, out_r
+        self.adopted_from = reply
+        with self._lock:  # what it holds, as it said (its state follows on the pipe)
+            self._state = {"held_count": reply.get("held_count", 0), "held": reply.get("held", [])}
+            self._state_at = time.monotonic()
+        self._ready = True
         self._reader = threading.Thread(
             target=self._read_loop, name="hold-responder-reader", daemon=True
         )
@@ -313,6 +374,8 @@ class ResponderProcess:
         words, then close the agent's copy of the group: the kernel allows the rest."""
         self._stopping = True
         if self._life_w >= 0:
+            with contextlib.suppress(OSError):  # a stop, not a death: it lets go and exits
+                os.write(self._life_w, STOP_WORD)
             os.close(self._life_w)
             self._life_w = -1
         if self._popen is not None:
@@ -324,6 +387,9 @@ class ResponderProcess:
             self._reader.join(timeout)
         self.group.close()
         self._close_fds()
+        if self.adopt_dir is not None:
+            with contextlib.suppress(OSError):
+                remove_adopt_socket(self.adopt_dir)
 
     # -- the reader thread ----------------------------------------------------------
 
@@ -369,7 +435,7 @@ class ResponderProcess:
         """The process went while the hold was on: let everything pending go now (the
         agent's copy of the group is the last), and say so."""
         self.group.close()
-        self.died = exit_words(rc)
+        self.died = exit_words(rc) if not isinstance(self._popen, Adopted) else Adopted.ENDED
         if self.stuck:
             self.died = f"was silent for {self.stuck_s:g}s (stuck) and was {self.died}"
         self.notices.append(
@@ -458,9 +524,186 @@ class ResponderProcess:
     def _close_fds(self) -> None:
         if self._lease is not None:
             self._lease.close()
+        if isinstance(self._popen, Adopted):
+            self._popen.close()
         for name in ("_wake_fd", "_life_w", "_out_r"):
             fd = getattr(self, name)
             if fd >= 0:
                 setattr(self, name, -1)
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+# -- adoption (issue 52): a responder whose agent died without a stop ---------------------
+
+
+class Adopted:
+    """A responder process this agent adopted: not its child (the supervisor reaps it), seen
+    through a pidfd (no pid reuse). ``Popen``'s face as ``ResponderProcess`` uses it."""
+
+    ENDED = "ended (an adopted responder: its exit status went to its reaper)"
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.fd < 0:
+            return 0
+        ready = select.poll()
+        ready.register(self.fd, select.POLLIN)
+        return 0 if ready.poll(0) else None  # (readable: it ended)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.fd < 0:
+            return 0
+        ready = select.poll()
+        ready.register(self.fd, select.POLLIN)
+        if not ready.poll(None if timeout is None else int(timeout * 1000) + 1):
+            raise subprocess.TimeoutExpired(f"responder {self.pid}", timeout or 0.0)
+        return 0
+
+    def kill(self) -> None:
+        if self.fd >= 0:
+            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _state_dir(path: str) -> int:
+    """The state directory, opened without following a symlink, checked root-only (owned by
+    us, writable by nobody else): the adoption socket lives only there."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise OSError(f"{path}: not owned by this agent's user alone: no adoption socket there")
+    return fd
+
+
+def _in(dirfd: int) -> str:
+    return f"/proc/self/fd/{dirfd}/{ADOPT_SOCKET}"  # (the opened directory, no lookup again)
+
+
+def bind_adopt_socket(state_dir: str) -> socket.socket:
+    """A new socket bound at ``ADOPT_SOCKET`` (0600; a stale one removed), not listening:
+    the responder listens on it, so a connecting agent's ``SO_PEERCRED`` names it."""
+    dirfd = _state_dir(state_dir)
+    try:
+        _remove(dirfd)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            os.fchmod(sock.fileno(), 0o600)  # the file bind makes takes the socket's mode
+            sock.bind(_in(dirfd))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    finally:
+        os.close(dirfd)
+
+
+def _remove(dirfd: int) -> None:
+    """Remove ``ADOPT_SOCKET`` if it is there and a socket (anything else: refused)."""
+    try:
+        st = os.stat(ADOPT_SOCKET, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(f"{ADOPT_SOCKET} in the state directory is not a socket: left alone")
+    os.unlink(ADOPT_SOCKET, dir_fd=dirfd)
+
+
+def remove_adopt_socket(state_dir: str) -> None:
+    dirfd = _state_dir(state_dir)
+    try:
+        _remove(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+def adopt(
+    state_dir: str,
+    *,
+    budget_s: float,
+    on_report: Callable[[], None] = lambda: None,
+    proc: str = "/proc",
+    timeout: float = ADOPT_TIMEOUT_S,
+) -> ResponderProcess | None:
+    """The responder a dead agent left in ``state_dir``, adopted: it goes on holding what it
+    holds, answers this agent from now on, and gives it its group (to mark through), its
+    lease and its eventfd. None when there is none to adopt (no socket; one nobody listens
+    on is removed). OSError when one answered and the adoption failed: it was killed (what
+    it held went on), and the caller starts a new one."""
+    try:
+        dirfd = _state_dir(state_dir)
+    except FileNotFoundError:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    got: list[int] = []
+    pid = -1
+    try:
+        try:
+            st = os.stat(ADOPT_SOCKET, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISSOCK(st.st_mode):
+            return None
+        try:
+            sock.connect(_in(dirfd))
+        except (ConnectionRefusedError, FileNotFoundError):  # its responder is gone: stale
+            with contextlib.suppress(OSError):
+                _remove(dirfd)
+            return None
+        pid, uid, _ = PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+        )
+        if uid != os.geteuid():
+            raise OSError(f"the adoption socket's listener runs as uid {uid}")
+        life_r, life_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        got += [life_w, out_r]
+        try:
+            request = json.dumps({"t": "adopt", "agent_pid": os.getpid()}).encode()
+            socket.send_fds(sock, [request], [life_r, out_w])
+        finally:
+            os.close(life_r)
+            os.close(out_w)
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+        got += fds
+        reply = json.loads(msg) if msg else {}
+        if not isinstance(reply, dict) or reply.get("t") != "adopted" or len(fds) != 3:
+            said = reply.get("t") if isinstance(reply, dict) else None
+            raise OSError(f"the responder {pid} answered {said!r}, not an adoption")
+        if reply.get("pid") != pid:
+            raise OSError(f"the responder said pid {reply.get('pid')}, its socket {pid}")
+        group_fd, lease_fd, wake_fd = fds
+        process = ResponderProcess(
+            FanotifyGroup.adopt(group_fd),
+            budget_s=budget_s,
+            descriptors=None,  # (start_hold gives this agent's budget)
+            on_report=on_report,
+            proc=proc,
+            adopt_dir=state_dir,
+        )
+        process._adopted(pid, HoldLease.adopt(lease_fd), wake_fd, life_w, out_r, reply)
+        got.clear()  # (the process owns them now)
+        return process
+    except (OSError, ValueError) as exc:
+        for fd in got:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if pid > 0:  # it answered and could not be adopted: it must not hold on, unseen
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if isinstance(exc, OSError):
+            raise
+        raise OSError(f"the responder {pid} answered garbage: {exc}") from None
+    finally:
+        sock.close()
+        os.close(dirfd)

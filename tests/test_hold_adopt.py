@@ -1,0 +1,158 @@
+"""An agent crash is not a pod death (issue 52). The agent runs under ``nodeagent
+supervise`` (the container's first process) with its hold on a real fanotify mark; a real
+open of ``nvidia-peermem.ko`` is held, gate closed. Then the agent alone is killed
+(``SIGKILL``, as an OOM kill of it alone): its responder holds on (its gate closed), the
+supervisor starts the agent again, the new agent adopts the responder (``hold-adopted``,
+the same ``responder_pid``) and the load goes on only when the gate opens. A stop then
+lets go as before, and leaves no process and no socket behind.
+
+The design: docs/design.md, "An agent crash is not a pod death".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nodeagent.host.responder_apart import ADOPT_SOCKET
+from nodeagent.sim.node import READY
+
+from .test_hold_upgrade import _held, _kinds, responder_running
+from .test_responder_apart import REPO, _alive, _loader, _unmounted, driver_root
+from .waiting import WAIT, until
+
+
+def _supervised(root: Path) -> subprocess.Popen[bytes]:
+    code = (
+        "import sys; from nodeagent.supervise import Supervisor; "
+        "sys.exit(Supervisor(sys.argv[1:]).run())"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, sys.executable, "-m", "tests.apart_agent", str(root)],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _agent_pid(sup: int) -> int | None:
+    from nodeagent.supervise import children
+
+    # The agent is the supervisor's child that runs tests.apart_agent (a responder left
+    # behind is its child too, until it ends).
+    for pid in children(sup):
+        with contextlib.suppress(OSError):
+            if b"tests.apart_agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
+    tmp_path: Path,
+) -> None:
+    root, driver = driver_root(tmp_path)
+    modprobe = _loader(tmp_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    responder = 0
+    with _unmounted(driver):
+        try:
+            sup = _supervised(root)
+            procs.append(sup)
+            responder = responder_running(root, "the agent's hold did not start")
+            first = until(lambda: _agent_pid(sup.pid), "no agent under the supervisor")
+            sock = root / "run/nodeagent" / ADOPT_SOCKET
+            st = sock.lstat()
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+            (ko,) = driver.rglob("nvidia-peermem.ko*")
+            want = ko.read_bytes()
+            loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
+            procs.append(loader)
+            until(lambda: _held(root, loader.pid), "the load was not held")
+
+            # The agent alone dies (an OOM kill of it alone): the pod lives.
+            os.kill(first, signal.SIGKILL)
+            second = until(
+                lambda: (p := _agent_pid(sup.pid)) not in (None, first) and p,
+                "the supervisor did not start the agent again",
+            )
+            # The next agent adopts the responder, which held on meanwhile.
+            until(lambda: _kinds(root, "hold-adopted"), "the next agent did not adopt it")
+            (adopted,) = _kinds(root, "hold-adopted")
+            assert adopted["responder_pid"] == responder and adopted["held_count"] == 1
+            assert [h[0] for h in adopted["held"]] == [loader.pid]
+            assert not _kinds(root, "hold-ended-unclean")  # nothing went through
+            until(lambda: _held(root, loader.pid, responder), "status does not list the load")
+            assert loader.poll() is None and _alive(responder)
+            assert sup.poll() is None and _alive(second)
+
+            # MOFED is ready: the new agent's gate opens, the held load goes on.
+            (root / READY).write_text("")
+            out, _ = loader.communicate(timeout=WAIT)
+            assert loader.returncode == 0 and out == want
+            ended = until(
+                lambda: [r for r in _kinds(root, "held-open") if r.get("pid") == loader.pid],
+                "the new agent did not record the held open's end",
+            )
+            assert [r["ended"] for r in ended] == ["gate opened"], ended
+
+            # A stop (the pod deleted): forwarded, the agent stops its adopted responder
+            # cleanly, the supervisor ends with it; nothing is left behind.
+            sup.send_signal(signal.SIGTERM)
+            assert sup.wait(WAIT) == 0, sup.stderr.read() if sup.stderr else b""
+            until(lambda: not _alive(responder), "the adopted responder outlived the stop")
+            assert not sock.exists()
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGKILL)
+                    p.wait(WAIT)
+            for pid in (responder,):
+                if pid and _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def test_the_adoption_socket_is_root_only_and_never_reached_through_a_symlink(
+    tmp_path: Path,
+) -> None:
+    from nodeagent.host.responder_apart import adopt, bind_adopt_socket
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    sock = bind_adopt_socket(str(state))
+    try:
+        st = (state / ADOPT_SOCKET).lstat()
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        # Bound, nobody listening (its responder gone): stale, removed, nothing adopted.
+        assert adopt(str(state), budget_s=1.0) is None
+        assert not (state / ADOPT_SOCKET).exists()
+    finally:
+        sock.close()
+    assert adopt(str(state), budget_s=1.0) is None  # none at all
+    link = tmp_path / "link"
+    link.symlink_to(state)
+    _refused(link, "")  # the state directory itself a symlink (ELOOP)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # writable by others: someone else could put a socket there
+    _refused(open_dir, "not owned by this agent's user alone")
+    (state / ADOPT_SOCKET).write_text("not a socket")  # never removed, never connected
+    _refused(state, "not a socket")
+    assert adopt(str(state), budget_s=1.0) is None
+    assert (state / ADOPT_SOCKET).read_text() == "not a socket"
+
+
+def _refused(state_dir: Path, words: str) -> None:
+    from nodeagent.host.responder_apart import bind_adopt_socket
+
+    with pytest.raises(OSError) as refused:
+        bind_adopt_socket(str(state_dir)).close()
+    assert words in str(refused.value)
