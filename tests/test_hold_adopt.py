@@ -156,3 +156,28 @@ def _refused(state_dir: Path, words: str) -> None:
     with pytest.raises(OSError) as refused:
         bind_adopt_socket(str(state_dir)).close()
     assert words in str(refused.value)
+
+
+def test_a_responder_whose_agent_lives_is_never_adopted_nor_killed(tmp_path: Path) -> None:
+    """Under the node's lock a second agent never tries; if one did, the responder answers
+    ``busy`` and is left alone. Here the test process is the responder's live agent."""
+    from nodeagent.host.fanotify import FanotifyGroup
+    from nodeagent.host.hold import descriptor_budget
+    from nodeagent.host.responder_apart import ResponderProcess, adopt
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    try:
+        group = FanotifyGroup()
+    except OSError as exc:
+        pytest.skip(f"no fanotify group here: {exc}")
+    budget, _ = descriptor_budget()
+    process = ResponderProcess(group, budget_s=5.0, descriptors=budget, adopt_dir=str(state))
+    process.start()
+    try:
+        with pytest.raises(OSError, match="busy"):
+            adopt(str(state), budget_s=5.0)
+        assert process.alive() and (state / ADOPT_SOCKET).exists()
+    finally:
+        process.stop()
+    assert not _alive(process.pid or 0) and not (state / ADOPT_SOCKET).exists()

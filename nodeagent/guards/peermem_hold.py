@@ -223,7 +223,7 @@ class PeermemHold(GuardSide):
         except OSError as exc:
             problem = (
                 f"peermem.hold_loads: the responder a dead agent left could not be adopted "
-                f"({exc}): it was killed, what it held went on; starting a new one"
+                f"({exc}); starting a new one (a killed one let what it held go)"
             )
             log.warning("%s", problem)
             ctx.record({"kind": "state-problem", "problem": problem})

@@ -638,7 +638,8 @@ def adopt(
     holds, answers this agent from now on, and gives it its group (to mark through), its
     lease and its eventfd. None when there is none to adopt (no socket; one nobody listens
     on is removed). OSError when one answered and the adoption failed: it was killed (what
-    it held went on), and the caller starts a new one."""
+    it held went on; the error says so), and the caller starts a new one; or it said its
+    own agent lives (``busy``: left alone)."""
     try:
         dirfd = _state_dir(state_dir)
     except FileNotFoundError:
@@ -677,11 +678,14 @@ def adopt(
         msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
         got += fds
         reply = json.loads(msg) if msg else {}
+        if isinstance(reply, dict) and reply.get("t") == "busy":
+            pid = -1  # its agent lives (never under the node's lock): left alone
+            raise OSError("busy: the responder's own agent is alive; not adopted, not killed")
         if not isinstance(reply, dict) or reply.get("t") != "adopted" or len(fds) != 3:
             said = reply.get("t") if isinstance(reply, dict) else None
-            raise OSError(f"the responder {pid} answered {said!r}, not an adoption")
+            raise OSError(f"answered {said!r}, not an adoption")
         if reply.get("pid") != pid:
-            raise OSError(f"the responder said pid {reply.get('pid')}, its socket {pid}")
+            raise OSError(f"said pid {reply.get('pid')}, its socket another")
         group_fd, lease_fd, wake_fd = fds
         process = ResponderProcess(
             FanotifyGroup.adopt(group_fd),
@@ -698,12 +702,11 @@ def adopt(
         for fd in got:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if pid > 0:  # it answered and could not be adopted: it must not hold on, unseen
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        if isinstance(exc, OSError):
-            raise
-        raise OSError(f"the responder {pid} answered garbage: {exc}") from None
+        if pid <= 0:
+            raise OSError(str(exc)) from None
+        with contextlib.suppress(OSError):  # it answered and could not be adopted: it must
+            os.kill(pid, signal.SIGKILL)  # not hold on, unseen (what it held goes on)
+        raise OSError(f"the responder {pid}: {exc}; killed") from None
     finally:
         sock.close()
         os.close(dirfd)

@@ -255,6 +255,8 @@ class Adoption:
         os.dup2(r, self.life_fd, inheritable=False)
         os.close(r)
         self._plug_w = w
+        # The dead agent's pid may be reused: only this process's own opens go at once now.
+        self.responder.own_pids = frozenset({os.getpid()})
         self.responder.orphaned_at = time.monotonic()
         self.responder.outbox.attached = False
         self.responder.wake()  # a round now: its gate reads closed from here on
@@ -276,13 +278,13 @@ class Adoption:
         )
         if uid != 0 and uid != os.geteuid():
             return  # (a root-only directory: never, but never trusted)
-        if self.responder.orphaned_at is None:
-            self.on_life()  # its agent's end may have closed a moment ago
-        if self.responder.orphaned_at is None:
-            conn.send(b'{"t":"busy"}')
-            return
-        msg, fds, _, _ = socket.recv_fds(conn, 1024, 2)
+        msg, fds, _, _ = socket.recv_fds(conn, 1024, 2)  # (read first: unread, a close resets)
         try:
+            if self.responder.orphaned_at is None:
+                self.on_life()  # its agent's end may have closed a moment ago
+            if self.responder.orphaned_at is None:
+                conn.send(b'{"t":"busy"}')
+                return
             request = json.loads(msg)
             if not isinstance(request, dict) or request.get("t") != "adopt" or len(fds) != 2:
                 raise ValueError("not an adoption")
