@@ -25,7 +25,14 @@ from nodeagent.host.responder_apart import ADOPT_SOCKET
 from nodeagent.sim.node import READY
 
 from .test_hold_upgrade import _held, _kinds, responder_running
-from .test_responder_apart import REPO, _alive, _loader, _unmounted, driver_root
+from .test_responder_apart import (
+    REPO,
+    _alive,
+    _hold_status,
+    _loader,
+    _unmounted,
+    driver_root,
+)
 from .waiting import WAIT, until
 
 
@@ -67,6 +74,7 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
             sup = _supervised(root)
             procs.append(sup)
             responder = responder_running(root, "the agent's hold did not start")
+            assert _hold_status(root)["responder_adopted"] is False
             first = until(lambda: _agent_pid(sup.pid), "no agent under the supervisor")
             sock = root / "run/nodeagent" / ADOPT_SOCKET
             st = sock.lstat()
@@ -89,7 +97,13 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
             assert adopted["responder_pid"] == responder and adopted["held_count"] == 1
             assert [h[0] for h in adopted["held"]] == [loader.pid]
             assert not _kinds(root, "hold-ended-unclean")  # nothing went through
-            until(lambda: _held(root, loader.pid, responder), "status does not list the load")
+            until(  # (the dead agent's status.json said the same pid and load)
+                lambda: (
+                    _hold_status(root).get("responder_adopted")
+                    and _held(root, loader.pid, responder)
+                ),
+                "the new agent's status does not list the adopted responder's load",
+            )
             assert loader.poll() is None and _alive(responder)
             assert sup.poll() is None and _alive(second)
 

@@ -543,6 +543,8 @@ class PeermemHold(GuardSide):
             # Its own process (pid), or a thread of the agent's (None); replaced after deaths.
             "responder_pid": getattr(self.hold, "pid", None),
             "responder_restarts": len(self.restarts),
+            # The responder a dead agent left, adopted by this one (issue 52).
+            "responder_adopted": getattr(self.hold, "adopted_from", None) is not None,
             # Non-target files filtered in the kernel after their first open: how
             # (evictable, pinned, off), how many; None for a responder without them.
             "ignore_marks": self._ignore_status(),
@@ -670,6 +672,7 @@ class PeermemHold(GuardSide):
             "responder": "starting" if self.replacement is not None else "none",
             "responder_pid": None,
             "responder_restarts": len(self.restarts),
+            "responder_adopted": False,
             "ignore_marks": None,
             "descriptors": None,
             "container_roots": [],
