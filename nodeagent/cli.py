@@ -1,4 +1,4 @@
-"""Command line: ``nodeagent run|check|status|wait|timeline|simulate``.
+"""Command line: ``nodeagent run|check|status|wait|timeline|simulate|explain|supervise``.
 
 Exit codes: 0 success / every guard ok; 1 a guard is not ok (a gate closed,
 storage blocking MOFED ...), a wait timed out, no status exists or the agent
