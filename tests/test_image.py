@@ -292,7 +292,9 @@ def test_the_image_runs_on_a_read_only_root_filesystem(container: Container, nod
     root = _rootfs(container)
     env = list(container.config["Env"])
     argv = [*env, *container.entrypoint]
-    for args, rc in ((["check", "--json"], 0), (["run", "--once", "--metrics-address", "off"], 0)):
+    once = ["run", "--once", "--metrics-address", "off"]
+    # The DaemonSet's own command (deploy/base: the supervisor, the agent its child) too.
+    for args, rc in ((["check", "--json"], 0), (once, 0), (["supervise", *once], 0)):
         p = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_RUNTIME,
              "ro-runtime", str(root), str(node), *argv, *args],
