@@ -191,6 +191,7 @@ def children(parent: int, proc: str = "/proc") -> list[int]:
 
 def supervise_main(args: Sequence[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
-        print("usage: nodeagent supervise ARGS... (runs and restarts `nodeagent ARGS...`)")
+        usage = "usage: nodeagent supervise ARGS... (runs and restarts `nodeagent ARGS...`)"
+        print(usage, file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     return Supervisor([sys.executable, "-m", "nodeagent", *args]).run()

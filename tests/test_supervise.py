@@ -145,3 +145,14 @@ def test_the_cli_runs_the_supervisor() -> None:
         timeout=WAIT,
     )
     assert p.returncode == 0 and p.stdout.startswith("nodeagent "), p
+
+
+def test_no_command_is_a_usage_error() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "supervise"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    assert p.returncode == 2 and p.stderr.startswith("usage: nodeagent supervise") and not p.stdout
