@@ -55,6 +55,11 @@ KNOWN_KINDS = (
     "hold-over-cap",
     "hold-fault",
     "hold-responder-died",
+    "hold-ended-unclean",
+    "hold-adopted",
+    "hold-not-adoptable",
+    "hold-reports-lost",
+    "draining",
     "gate-withdrawal",
     "pass-error",
     "state-problem",
@@ -137,6 +142,16 @@ MESSAGES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "hold-responder-died": lambda r: (
         f"hold responder (pid {r.get('pid')}) {r.get('how')}: {r.get('meaning')}"
     ),
+    "hold-ended-unclean": lambda r: f"the last agent's hold ended unclean: {r.get('meaning')}",
+    "hold-adopted": lambda r: (
+        f"hold responder (pid {r.get('responder_pid')}) adopted with "
+        f"{r.get('held_count')} held open(s): {r.get('meaning')}"
+    ),
+    "hold-not-adoptable": lambda r: f"hold responder not adoptable: {r.get('error')}",
+    "hold-reports-lost": lambda r: f"{r.get('count')} hold report(s) lost: {r.get('meaning')}",
+    "draining": lambda r: (
+        f"stopping after a drain of at most {r.get('seconds')} s: a load is held, gate closed"
+    ),
 }
 
 
@@ -163,6 +178,11 @@ PRIORITIES: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "hold-over-cap": lambda r: WARNING,
     "hold-fault": lambda r: ERR,
     "hold-responder-died": lambda r: ERR,
+    "hold-ended-unclean": lambda r: ERR,
+    "hold-adopted": lambda r: NOTICE,
+    "hold-not-adoptable": lambda r: WARNING,
+    "hold-reports-lost": lambda r: WARNING,
+    "draining": lambda r: NOTICE,
 }
 
 

@@ -252,3 +252,20 @@ def test_a_large_record_goes_through_a_sealed_memfd(
     assert e["MESSAGE_ID"] == message_id("vf-restore")
     assert len(e["NODEAGENT_BLOB"]) == 1 << 20
     exp.close()
+
+
+def test_every_record_kind_the_agent_writes_is_known_with_a_message() -> None:
+    """Drift: a record kind written anywhere in the agent (``"kind": "<name>"``) is in
+    ``KNOWN_KINDS`` (so docs/operations.md lists its MESSAGE_ID) and has a message of its
+    own, not the generic fallback (a kind without a priority of its own is INFO)."""
+    from nodeagent.journal import MESSAGES
+
+    root = Path(__file__).resolve().parent.parent / "nodeagent"
+    written = set()
+    for path in root.rglob("*.py"):
+        if "sim" in path.relative_to(root).parts:
+            continue  # the simulator's actors' own records
+        written |= set(re.findall(r'"kind": "([a-z-]+)"', path.read_text()))
+    assert written, "no record kind found: the pattern is wrong"
+    assert written <= set(KNOWN_KINDS), sorted(written - set(KNOWN_KINDS))
+    assert not written - MESSAGES.keys(), sorted(written - MESSAGES.keys())
