@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import RootScanner
+from nodeagent.host.containers import BURST_LOOKS, RootScanner
 from nodeagent.host.fanotify import OpenedRoot
 from nodeagent.host.procevents import (
     CN_IDX_PROC,
@@ -327,7 +327,7 @@ def test_wake_returns_a_waiter_blocked_in_the_sockets_recv(events: ExecEvents) -
 
 def test_a_stream_of_execs_is_looked_at_a_bounded_number_of_times(tmp_path: Path) -> None:
     """A lone exec is looked at at once; a stream (here 300 execs as fast as this machine
-    makes them) at most once every ``batch_s`` after the first two looks: the scanner's
+    makes them) at most once every ``batch_s`` after a burst of ``BURST_LOOKS``: the scanner's
     cost under an exec storm is bounded, whoever makes it. Every event is still read
     (the subscription's count)."""
     fake = FakeProc(tmp_path, b"sleep\0")
@@ -349,7 +349,7 @@ def test_a_stream_of_execs_is_looked_at_a_bounded_number_of_times(tmp_path: Path
         until(read_all, "not every exec was read")
         elapsed = time.monotonic() - start
         looks = scanner.status()["looks"] - before["looks"]
-        assert looks <= 3 + elapsed / 0.2, (looks, elapsed)
+        assert looks <= 3 + BURST_LOOKS + elapsed / 0.2, (looks, elapsed)
         assert looks < 100, looks  # one a wake would be about one an exec
     finally:
         scanner.stop()
@@ -386,3 +386,44 @@ def test_a_container_root_whose_mark_failed_is_marked_once_marks_free_up(tmp_pat
     assert [r.pid for r in scanner.roots()] == [4242] and fake.marks == {77}
     assert [r["kind"] for r in scanner.reports] == ["state-problem", "hold-root-marked"]
     assert not scanner.refused  # status's "not_marked" no longer lists it
+
+
+def test_a_starts_burst_of_execs_is_looked_at_exec_by_exec(tmp_path: Path) -> None:
+    """A container's start is a burst of a few execs (runtime, ``runc init``, the
+    entrypoint): each of the first ``BURST_LOOKS`` is a look of its own, waiting for
+    nothing; then, a stream now, the scanner waits for the pace (``batch_s``) before it
+    reads again. Stepped with a fake subscription: the scanner's every wait is recorded."""
+
+    class Stop(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            self.waits: list[float] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waits.append(float(timeout or 0))
+            self.set()  # the test ends at the first wait
+            return True
+
+    class Events:
+        execs = overruns = 0
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def wait(self, timeout_s: float) -> tuple[list[int], bool]:
+            self.n += 1
+            return [10_000 + self.n], False
+
+        def read(self, most: int = 512) -> tuple[list[int], bool]:
+            return [], False
+
+    fake = FakeProc(tmp_path, b"sleep\0")
+    scanner = fake.scanner(batch_s=60.0, full_scan_s=3600.0)
+    scanner.prepare()
+    stop = Stop()
+    scanner._stop = stop
+    events = Events()
+    scanner._follow_execs(events)  # type: ignore[arg-type]
+    assert scanner.looks == BURST_LOOKS  # each at once, no wait among them
+    assert events.n == BURST_LOOKS and len(stop.waits) == 1
+    assert 59.0 < stop.waits[0] <= 60.0  # the bucket empty: the next look waits its token

@@ -11,8 +11,9 @@ How new processes are noticed: the kernel's exec events
 A runtime's ``runc init`` becomes the entrypoint at ``exec``, later than its pid
 appears, so an exec event is exactly the moment to look: the scanner reads the
 command line of exec'd processes only. A lone exec is looked at as its event
-arrives; under a stream of them, at most once every ``batch_s`` (the poll's own
-interval, 0.1 s: ``hold_scan_seconds``), all the events queued meanwhile in one wake: a wake costs
+arrives, and so is a start's burst of a few; under a stream of them, at most once
+every ``batch_s`` (the poll's own interval, 0.1 s: ``hold_scan_seconds``), all
+the events queued meanwhile in one wake: a wake costs
 this thread far more than a read (~300 µs a look against ~20 µs a process on
 the bench VM), so the scanner's cost has a ceiling whatever execs on the node. The subscription
 needs ``CAP_NET_ADMIN`` (the base DaemonSet grants it), the host's network
@@ -81,6 +82,7 @@ CMDLINE_BYTES = 4096
 STATUS_BYTES = 8192
 CAP_SYS_MODULE = 16
 FULL_SCAN_S = 2.0  # with exec events: the safety net's period
+BURST_LOOKS = 8  # with exec events: looks at once before the batch's pace (a start's burst)
 
 
 @dataclass(frozen=True)
@@ -299,17 +301,31 @@ class RootScanner:
         the scan still comes on time, and idle it comes within one more period."""
         self.scan()
         next_full = self.clock() + self.full_scan_s
-        last_look = float("-inf")
+        # Looks are rate-limited by a token bucket (real time, not ``clock``: it paces
+        # wakes): BURST_LOOKS at once, then one every ``batch_s``. A container's start is a
+        # burst of a few execs (runtime, shim, ``runc init``, the entrypoint): each looked
+        # at as it comes. A stream drains the bucket: then a look waits for its token, and
+        # the events that came meanwhile are read in that one wake, where each exec was a
+        # wake of its own (~80-120 µs of this thread's CPU here before any work), and a
+        # process that exec'd and exited in between (most of a busy node's execs) costs a
+        # failed open (~5 µs), not the first read of a new pid's files (~40 µs).
+        tokens, refilled = float(BURST_LOOKS), time.monotonic()
         while not self._stop.is_set():
             pids, lost = events.wait(self.interval_s if self._not_yet else self.full_scan_s)
             if self._stop.is_set():
                 return
-            stream = False
             if pids or lost:
+                if self.batch_s > 0:
+                    now = time.monotonic()
+                    tokens = min(BURST_LOOKS, tokens + (now - refilled) / self.batch_s)
+                    refilled = now
+                    if tokens < 1:
+                        if self._stop.wait((1 - tokens) * self.batch_s):
+                            return
+                        tokens, refilled = 1.0, time.monotonic()
+                    tokens -= 1
                 more, lost_more = events.read()  # the rest already queued, in the same wake
                 pids, lost = list(dict.fromkeys(pids + more)), lost or lost_more
-                now = self.clock()
-                stream, last_look = now - last_look < 2 * self.batch_s, now
                 self.looks += 1
             if lost:
                 self.rescans += 1
@@ -323,14 +339,13 @@ class RootScanner:
                 if self.clock() >= next_full:
                     self.scan()
                     next_full = self.clock() + self.full_scan_s
-            # A stream of execs (this look came soon after the last): the next look no
-            # sooner than ``batch_s`` from now. What came meanwhile is read in one wake,
-            # where each exec was a wake of its own (~80 µs of this thread's CPU here), and
-            # a process that exec'd and exited in between (most of a busy node's execs)
-            # costs a failed open (~5 µs), not the first read of a new pid's files
-            # (~40 µs). A lone exec is looked at at once.
-            if stream and self._stop.wait(self.batch_s):
-                return
+            if self.batch_s > 0 and tokens < 1:
+                # The bucket is empty (a stream): wait for the next token now, so that
+                # the events coming meanwhile are there when ``wait`` is called, and it
+                # returns without sleeping: one wake a look, not two.
+                if self._stop.wait((1 - tokens) * self.batch_s):
+                    return
+                tokens, refilled = 1.0, time.monotonic()
 
     def exec_seen(self, pid: int) -> None:
         """``pid`` exec'd: read its command line now (the young window restarts)."""
