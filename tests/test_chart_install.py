@@ -5,10 +5,14 @@ checkout that dropped every symlink, as Flux's Git source does (flux2#4088)."""
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import json
 import os
 import shutil
+import ssl
 import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -364,3 +368,121 @@ def test_an_install_with_the_unpublished_default_image_fails_saying_what_to_set(
         {"image": {"allowUnset": True}},
     ):
         helm.Chart.load(str(CHART)).render(mine, name="nodeagent", namespace="nodeagent")
+
+
+# ---------------------------------------------------------------- helm test
+
+
+def hook_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [d for d in docs if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+
+
+def test_helm_test_reads_the_verdicts_through_the_proxy_with_a_token_allowed_metrics() -> None:
+    docs = render()
+    hooks = {(d["kind"], d["metadata"]["name"]): d for d in hook_objects(docs)}
+    pod = hooks["Pod", "nodeagent-test"]
+    assert hooks["ClusterRole", "nodeagent-test"]["rules"] == [
+        {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}
+    ]
+    binding = hooks["ClusterRoleBinding", "nodeagent-test"]
+    assert binding["subjects"][0]["name"] == pod["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", pod["spec"]["serviceAccountName"]) in hooks
+    (container,) = pod["spec"]["containers"]
+    assert (
+        container["image"]
+        == one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["image"]
+    )
+    env = {e["name"]: e["value"] for e in container["env"]}
+    # the headless Service's name: every node's proxy, on the metrics port
+    assert env["METRICS_URL"] == "https://nodeagent.nodeagent.svc:9808/metrics"
+    other = render({"metrics": {"port": 9818}, "fullnameOverride": "gpu"})
+    (moved,) = [d for d in hook_objects(other) if d["kind"] == "Pod"]
+    assert (
+        moved["spec"]["containers"][0]["env"][0]["value"]
+        == "https://gpu.nodeagent.svc:9818/metrics"
+    )
+    assert not hook_objects(render({"metrics": {"enabled": False}})), "no proxy, nothing to read"
+    assert "helm test nodeagent -n nodeagent --logs" in notes()
+
+
+class FakeProxy(http.server.BaseHTTPRequestHandler):
+    """kube-rbac-proxy's answers: 401 without the token, /metrics only."""
+
+    token = "t0ken"
+    body = b""
+
+    def do_GET(self) -> None:
+        if self.headers.get("Authorization") != f"Bearer {self.token}":
+            self.send_error(401)
+        elif self.path != "/metrics":
+            self.send_error(404)
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(self.body)))
+            self.end_headers()
+            self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def run_helm_test_script(
+    tmp_path: Path, body: bytes, token: str
+) -> subprocess.CompletedProcess[str]:
+    """The rendered pod's command, run here against a TLS server with a self-signed
+    certificate (as the proxy's)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no self-signed certificate to serve")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-subj", "/CN=proxy", "-days", "1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (tmp_path / "token").write_text(token + "\n")
+    FakeProxy.body = body
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeProxy)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        (pod,) = [d for d in hook_objects(render()) if d["kind"] == "Pod"]
+        command = pod["spec"]["containers"][0]["command"]
+        assert command[:2] == ["python3", "-c"]
+        env = {
+            **os.environ,
+            "METRICS_URL": f"https://127.0.0.1:{server.server_address[1]}/metrics",
+            "TOKEN_FILE": str(tmp_path / "token"),
+        }
+        return subprocess.run(
+            [sys.executable, "-c", command[2]], env=env, capture_output=True, text=True, timeout=60
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+METRICS = b"""# HELP nodeagent_guard_ok 1 while the guard's verdict is ok
+# TYPE nodeagent_guard_ok gauge
+nodeagent_guard_ok{guard="peermem"} 1.0
+nodeagent_guard_ok{guard="storage"} 0.0
+nodeagent_up 1.0
+"""
+
+
+def test_the_helm_test_script_prints_the_verdicts(tmp_path: Path) -> None:
+    done = run_helm_test_script(tmp_path, METRICS, FakeProxy.token)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:2] == [
+        'nodeagent_guard_ok{guard="peermem"} 1.0',
+        'nodeagent_guard_ok{guard="storage"} 0.0',
+    ]
+
+
+def test_the_helm_test_script_fails_without_a_verdict_or_when_refused(tmp_path: Path) -> None:
+    empty = run_helm_test_script(tmp_path, b"nodeagent_up 1.0\n", FakeProxy.token)
+    assert empty.returncode == 1 and "no nodeagent_guard_ok" in empty.stderr
+    refused = run_helm_test_script(tmp_path, METRICS, "wrong")
+    assert refused.returncode == 1 and "401" in refused.stderr
