@@ -392,17 +392,13 @@ def test_a_starts_burst_of_execs_is_looked_at_exec_by_exec(tmp_path: Path) -> No
     """A container's start is a burst of a few execs (runtime, ``runc init``, the
     entrypoint): each of the first ``BURST_LOOKS`` is a look of its own, waiting for
     nothing; then, a stream now, the scanner waits for the pace (``batch_s``) before it
-    reads again. Stepped with a fake subscription: the scanner's every wait is recorded."""
+    reads again. Stepped with a fake subscription: the scanner's every pause is recorded."""
 
-    class Stop(threading.Event):
-        def __init__(self) -> None:
-            super().__init__()
-            self.waits: list[float] = []
+    pauses: list[float] = []
 
-        def wait(self, timeout: float | None = None) -> bool:
-            self.waits.append(float(timeout or 0))
-            self.set()  # the test ends at the first wait
-            return True
+    def pause(seconds: float) -> bool:
+        pauses.append(seconds)
+        return True  # stopping: the test ends at the first pause
 
     class Events:
         execs = overruns = 0
@@ -420,10 +416,22 @@ def test_a_starts_burst_of_execs_is_looked_at_exec_by_exec(tmp_path: Path) -> No
     fake = FakeProc(tmp_path, b"sleep\0")
     scanner = fake.scanner(batch_s=60.0, full_scan_s=3600.0)
     scanner.prepare()
-    stop = Stop()
-    scanner._stop = stop
+    scanner._pause = pause  # type: ignore[method-assign]
     events = Events()
     scanner._follow_execs(events)  # type: ignore[arg-type]
     assert scanner.looks == BURST_LOOKS  # each at once, no wait among them
-    assert events.n == BURST_LOOKS and len(stop.waits) == 1
-    assert 59.0 < stop.waits[0] <= 60.0  # the bucket empty: the next look waits its token
+    assert events.n == BURST_LOOKS and len(pauses) == 1
+    assert 59.0 < pauses[0] <= 60.0  # the bucket empty: the next look waits its token
+
+
+def test_a_long_pace_ends_at_stop(tmp_path: Path) -> None:
+    """The pace sleeps in slices (``PAUSE_SLICE_S``), so a stop is seen within one, even
+    with the longest ``hold_scan_seconds``. A hang detector: the bound is seconds, the
+    failure (no slices) a minute."""
+    scanner = FakeProc(tmp_path, b"sleep\0").scanner(batch_s=60.0, full_scan_s=3600.0)
+    said: list[bool] = []
+    sleeper = threading.Thread(target=lambda: said.append(scanner._pause(60.0)))
+    sleeper.start()
+    scanner._stop.set()
+    sleeper.join(10.0)
+    assert not sleeper.is_alive() and said == [True]

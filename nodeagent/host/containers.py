@@ -83,6 +83,7 @@ STATUS_BYTES = 8192
 CAP_SYS_MODULE = 16
 FULL_SCAN_S = 2.0  # with exec events: the safety net's period
 BURST_LOOKS = 8  # with exec events: looks at once before the batch's pace (a start's burst)
+PAUSE_SLICE_S = 0.5  # the pace's sleep, at most, between two looks at ``stop``
 
 
 @dataclass(frozen=True)
@@ -320,7 +321,7 @@ class RootScanner:
                     tokens = min(BURST_LOOKS, tokens + (now - refilled) / self.batch_s)
                     refilled = now
                     if tokens < 1:
-                        if self._stop.wait((1 - tokens) * self.batch_s):
+                        if self._pause((1 - tokens) * self.batch_s):
                             return
                         tokens, refilled = 1.0, time.monotonic()
                     tokens -= 1
@@ -343,9 +344,22 @@ class RootScanner:
                 # The bucket is empty (a stream): wait for the next token now, so that
                 # the events coming meanwhile are there when ``wait`` is called, and it
                 # returns without sleeping: one wake a look, not two.
-                if self._stop.wait((1 - tokens) * self.batch_s):
+                if self._pause((1 - tokens) * self.batch_s):
                     return
                 tokens, refilled = 1.0, time.monotonic()
+
+    def _pause(self, seconds: float) -> bool:
+        """Sleep ``seconds`` of the pace; True when the scanner is stopping. A plain
+        ``sleep`` (one system call), not ``Event.wait`` (a lock made and taken twice): a
+        wake of this thread cost ~50 against ~90 µs of its CPU here, ten times a second
+        under a stream of execs. ``stop`` is seen within ``PAUSE_SLICE_S``."""
+        end = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, PAUSE_SLICE_S))
+        return True
 
     def exec_seen(self, pid: int) -> None:
         """``pid`` exec'd: read its command line now (the young window restarts)."""
