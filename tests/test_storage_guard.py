@@ -467,7 +467,14 @@ def test_every_verdict_the_guard_gives_is_one_of_its_words() -> None:
     seen = {d.verdict.verdict for d in run([seed_004(t) for t in (20, 30, 1107, 1200)])[0]}
     seen |= {"holding", "in-use", "unknown"}  # the other tests' verdicts, by name
     assert seen <= set(GUARD.verdict_words)
-    assert set(GUARD.verdict_words) == {"clear", "holding", "blocking", "in-use", "unknown"}
+    assert set(GUARD.verdict_words) == {
+        "clear",
+        "holding",
+        "blocking",
+        "in-use",
+        "unknown",
+        "other-stack",
+    }
 
 
 # -- convergence after a crash (issue 37): phases, going modules, bounded memory -----------
@@ -540,3 +547,26 @@ def test_saved_memory_is_bounded_by_what_the_guard_could_have_written() -> None:
     # A module the configured chain names is one the guard could have removed.
     custom = StorageGuard(StoragePolicy(modules=("rpcrdma", "my_rdma_fs")))
     assert custom.memory_from_json({"removed": ["my_rdma_fs"]}).removed == ("my_rdma_fs",)
+
+
+def test_a_load_back_refused_for_its_crcs_is_named_with_its_remedy_until_one_goes_in() -> None:
+    """The executor refuses a chain built against another stack before any insert
+    (``tests/test_load_crcs.py``); the guard says so, not ok, with what to do, keeps
+    trying at its backoff (MOFED may be rebuilt), and forgets it once a load-back goes
+    in. Saved across a restart."""
+    mem = replace(GUARD.initial_memory(), removed=("rpcrdma",))
+    d = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), now=1300), mem)
+    (load,) = [a for a in d.actions if isinstance(a, LoadModule)]
+    why = "rpcrdma not loaded from the host's tree: the kernel would refuse it: rpcrdma needs X"
+    refused = ActionOutcome(load, ok=False, errno=22, error=why, detail=(("refused", "crcs"),))
+    mem = GUARD.absorb(d.memory, refused, 1300)
+    mem = GUARD.memory_from_json(GUARD.memory_to_json(mem))  # a restart keeps it
+    d = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), now=1301), mem)
+    assert (d.verdict.verdict, d.verdict.ok) == ("other-stack", False)
+    assert why in d.verdict.reasons[0] and "ENABLE_NFSRDMA=true" in d.verdict.reasons[0]
+    assert d.actions == () and d.wake_at == 1305  # tried again at its backoff
+    d = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), now=1305), d.memory)
+    (load,) = [a for a in d.actions if isinstance(a, LoadModule)]
+    mem = GUARD.absorb(d.memory, ActionOutcome(load, ok=True), 1305)
+    d = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), mod("rpcrdma"), now=1306), mem)
+    assert (d.verdict.verdict, d.verdict.ok) == ("clear", True) and d.memory.load_refused is None

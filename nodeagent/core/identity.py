@@ -8,10 +8,10 @@ both guards report for a module.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nodeagent.core.snapshot import DiskModule, LoadedModule
+from nodeagent.core.snapshot import EMPTY, DiskModule, LoadedModule
 
 
 def _fmt_identity(mod: LoadedModule | DiskModule, kind: str) -> str:
@@ -98,6 +98,43 @@ def abi_mismatches(
                     f"but the loaded {provider_name} exports {have:#010x}"
                 )
     return reasons, evidence
+
+
+def chain_refusals(
+    planned: Sequence[DiskModule],
+    loaded: Mapping[str, tuple[LoadedModule, DiskModule]],
+) -> list[str]:
+    """What the kernel would refuse of an insert, before any module of it goes in.
+
+    ``planned``: the modules the insert adds, in its order (libkmod's dry run), each
+    as read from the tree it would come from. ``loaded``: the loaded modules they
+    depend on, each with the file its identity was checked against. A planned
+    module's CRCs are compared with those of its providers: one planned before it
+    (the same tree, its file), or one loaded whose identity matches its file (one that
+    does not match, or has no file, is not checked: the kernel decides, as without
+    this check). A planned file that cannot be read is a reason too: nothing vouches
+    for it. Empty when the whole chain agrees.
+    """
+    reasons: list[str] = []
+    exports: dict[str, tuple[str, Mapping[str, int]]] = {}  # provider -> (whose, CRCs)
+    for name, (live, disk) in loaded.items():
+        if disk.path is not None and not disk.problem and identity_mismatch(live, disk) is None:
+            exports[name] = (f"the loaded {name} ({disk.path})", disk.exported_crcs)
+    for mod in planned:
+        if mod.path is None or mod.problem:
+            reasons.append(f"cannot read {mod.name}: {mod.problem or 'no module file found'}")
+            continue
+        for dep in mod.depends:
+            whose, crcs = exports.get(dep, ("", EMPTY))
+            for symbol, need in sorted(mod.required_crcs.items()):
+                have = crcs.get(symbol)
+                if have is not None and have != need:
+                    reasons.append(
+                        f"{mod.name} ({mod.path}) needs {symbol} CRC {need:#010x} but "
+                        f"{whose} exports {have:#010x}"
+                    )
+        exports[mod.name] = (f"{mod.name} ({mod.path}), inserted before it", mod.exported_crcs)
+    return reasons
 
 
 def module_evidence(mod: LoadedModule | None) -> dict[str, Any]:

@@ -159,6 +159,9 @@ class StorageMemory:
     # (the load-back). A load-back owed once MOFED is ready never waits on a removal's
     # backoff. None (a memory saved before it was kept): both.
     backoff_of: BackoffPhase | None = None
+    # The load-back's last refusal before any insert (a module built against another
+    # stack than the one loaded): the verdict says it until a load-back goes in.
+    load_refused: str | None = None
 
 
 # Saved memory (state.json): one row a StorageMemory field, in the order they are checked;
@@ -172,6 +175,17 @@ MEMORY_FIELDS: tuple[fields.Saved, ...] = (
     fields.Saved("failures", fields.COUNT, 0),
     fields.Saved("retry_at", fields.optional(fields.TIME)),
     fields.Saved("backoff_of", fields.optional(fields.word(PHASES))),
+    fields.Saved("load_refused", fields.optional(fields.TEXT)),
+)
+
+
+# What an admin does about a load-back refused for its CRCs (``other-stack``).
+OTHER_STACK_REMEDY = (
+    "nothing of its chain was inserted (the kernel would refuse a module built against "
+    "another RDMA stack than the one loaded); with NVIDIA's DOCA driver container, set "
+    "ENABLE_NFSRDMA=true in the NicClusterPolicy's driver env so MOFED builds its own "
+    "storage modules (then recreate the MOFED pod on this node), or keep the storage "
+    "modules out of this node's use"
 )
 
 
@@ -190,7 +204,14 @@ class StorageGuard:
     name = "storage"
     gate = False
     # Its own words for nodeagent_guard_state (without them the metric offered open/closed).
-    verdict_words: tuple[str, ...] = ("clear", "holding", "blocking", "in-use", "unknown")
+    verdict_words: tuple[str, ...] = (
+        "clear",
+        "holding",
+        "blocking",
+        "in-use",
+        "unknown",
+        "other-stack",
+    )
 
     def __init__(self, policy: StoragePolicy | None = None, paths: HostPaths | None = None) -> None:
         self.policy = policy or StoragePolicy()
@@ -223,6 +244,7 @@ class StorageGuard:
             "retry_at": memory.retry_at,
             "last_error": memory.last_error,
             "backoff_of": memory.backoff_of,
+            "load_refused": memory.load_refused,
         }
 
     def memory_from_json(self, data: Mapping[str, Any]) -> StorageMemory:
@@ -384,6 +406,11 @@ class StorageGuard:
                 # (an unload a killed agent began): it is owed a load-back once gone.
                 live = {m for m, mod in snap.modules.items() if mod.initstate != "going"}
                 memory = replace(memory, removed=tuple(m for m in memory.removed if m not in live))
+            if not memory.removed:
+                memory = replace(memory, load_refused=None)
+            elif ready and memory.load_refused and pol.reload and pol.policy != "off":
+                verdict = "other-stack"
+                reasons.append(f"{memory.load_refused}; {OTHER_STACK_REMEDY}")
             if ready and memory.removed and pol.reload and pol.policy != "off":
                 if any(m in snap.modules for m in memory.removed):
                     wake_at = snap.now + GOING_RECHECK_S  # loaded back once its unload ends
@@ -482,7 +509,16 @@ class StorageGuard:
             done = _DONE.get(type(action))
             if done is not None:
                 memory = done(memory, action, self.policy)
-            return replace(memory, failures=0, retry_at=None, last_error=None, backoff_of=None)
+            return replace(
+                memory,
+                failures=0,
+                retry_at=None,
+                last_error=None,
+                backoff_of=None,
+                load_refused=None if isinstance(action, LoadModule) else memory.load_refused,
+            )
+        if ("refused", "crcs") in outcome.detail:
+            memory = replace(memory, load_refused=outcome.error)
         phase: BackoffPhase = "load" if isinstance(action, LoadModule) else "remove"
         # A failure of the other phase starts this one's backoff afresh.
         failures = (memory.failures if memory.backoff_of in (None, phase) else 0) + 1

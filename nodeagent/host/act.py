@@ -39,14 +39,22 @@ from nodeagent.core.actions import (
     UnloadModule,
     WriteFile,
 )
+from nodeagent.core.identity import chain_refusals
+from nodeagent.core.snapshot import DiskModule, LoadedModule
 from nodeagent.errors import NodeagentError, StepFailed
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.kmod import ModuleOpError, ModuleOps
+from nodeagent.host.kmod import ModuleOpError, ModuleOps, PlansProbes
 from nodeagent.host.ports import KernelLog
 
 # Performs one action; raises StepFailed, OSError, NodeagentError. It may return per-field
 # results, (field, "written" | "unsupported" | ...), for an action that sets several fields.
 Handler = Callable[[Any], tuple[tuple[str, str], ...] | None]
+# (tree, the modules an insert adds in order, the trees) -> (their files in that tree, the
+# loaded modules they depend on with the file that is the loaded one).
+ChainFacts = Callable[
+    [str, Sequence[str], tuple[str, ...]],
+    tuple[list[DiskModule], dict[str, tuple[LoadedModule, DiskModule]]],
+]
 _TRANSIENT = {errno.EAGAIN, errno.EINTR}
 
 
@@ -61,6 +69,9 @@ class NodeHands:
     first_wait_s: float = 0.05
     # The descriptor the observer read and checked a .ko from (None: not verified now).
     verified_fd: Callable[[str], int | None] | None = None
+    # What a load by name would insert, read for the CRC check before it (None: no check:
+    # the kernel decides). ``Observer.chain_facts``, on an observer of the executor's own.
+    chain_facts: ChainFacts | None = None
 
 
 class Executor(Protocol):
@@ -132,18 +143,46 @@ class ModuleExecutor:
         self._run("load", action.module, insert, True)
 
     def load(self, action: LoadModule) -> None:
-        """From the first tree whose modules.dep lists the module (ENOENT: try the next)."""
+        """From the first tree whose modules.dep lists the module (ENOENT: try the next).
+
+        Checked first, the way the peermem gate checks its module: libkmod's dry run
+        says what the insert would add, and each of those files' symbol CRCs are
+        compared with its providers' (``identity.chain_refusals``). A chain the kernel
+        would refuse in part is not inserted at all (``StepFailed``, EINVAL, detail
+        ``refused: crcs``): a module built against another stack (the host's
+        ``rpcrdma`` against the inbox ``ib_core`` while MOFED's is loaded) never goes
+        in, and nothing of its chain before it."""
         kernel = self.hands.host.read_text("proc/sys/kernel/osrelease", 256).strip()
         for i, tree in enumerate(action.trees):
             rel = f"{tree}/lib/modules/{kernel}" if tree else f"lib/modules/{kernel}"
             moddir = str(self.hands.host.path(rel))
             try:
+                self._check_chain(action, tree, moddir)
                 probe = functools.partial(self.hands.ops.probe, action.module, moddir)
                 self._run("load", action.module, probe, True)
                 return
             except StepFailed as exc:
                 if exc.errno != errno.ENOENT or i == len(action.trees) - 1:
                     raise
+
+    def _check_chain(self, action: LoadModule, tree: str, moddir: str) -> None:
+        ops, facts = self.hands.ops, self.hands.chain_facts
+        if facts is None or not isinstance(ops, PlansProbes):
+            return
+        try:
+            plan = ops.probe_plan(action.module, moddir)
+        except ModuleOpError as exc:  # ENOENT: not in this tree (the caller tries the next)
+            raise StepFailed(str(exc), exc.errno) from None
+        planned, loaded = facts(tree, [name for name, _opts in plan], action.trees)
+        refusals = chain_refusals(planned, loaded)
+        if refusals:
+            where = f"/{tree}" if tree else "the host's tree"
+            raise StepFailed(
+                f"{action.module} not loaded from {where}: the kernel would refuse it: "
+                + "; ".join(refusals),
+                errno.EINVAL,
+                detail=(("refused", "crcs"),),
+            )
 
     def unload(self, action: UnloadModule) -> tuple[tuple[str, str], ...] | None:
         """Unload; a module already gone (ENOENT) has had its unload: done, not failed.
@@ -189,9 +228,19 @@ class Actuator:
         executors: Sequence[Callable[[NodeHands], Executor]] = EXECUTORS,
         verified_fd: Callable[[str], int | None] | None = None,
         clock: Callable[[], float] = time.time,
+        chain_facts: ChainFacts | None = None,
     ) -> None:
-        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it)."""
-        hands = NodeHands(host, ops, kernel_log, attempts, first_wait_s, verified_fd=verified_fd)
+        """``verified_fd(path)``: the descriptor the observer read ``path`` from (loads use it);
+        ``chain_facts``: what the CRC check before a load by name reads (None: no check)."""
+        hands = NodeHands(
+            host,
+            ops,
+            kernel_log,
+            attempts,
+            first_wait_s,
+            verified_fd=verified_fd,
+            chain_facts=chain_facts,
+        )
         self.clock = clock
         self.table: dict[type, Handler] = {}
         for make in executors:

@@ -93,6 +93,18 @@ class ModuleOps(Protocol):
         ...
 
 
+@runtime_checkable
+class PlansProbes(Protocol):
+    """Module ops that can tell what a ``probe`` would insert without inserting it."""
+
+    def probe_plan(
+        self, name: str, moddir: str, params: Sequence[str] = ()
+    ) -> tuple[tuple[str, str], ...]:
+        """(module, options) in insert order; modules already live left out; ENOENT when
+        ``name`` is not in ``moddir``'s indexes."""
+        ...
+
+
 def _name_from_path(path: str) -> str:
     base = os.path.basename(path)
     for suffix in (".xz", ".zst", ".gz"):

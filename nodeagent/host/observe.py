@@ -23,11 +23,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from nodeagent.core.identity import identity_mismatch
 from nodeagent.core.names import is_decimal, is_module_name, normalize_module_name
 from nodeagent.core.needs import DiskNeed, Needs
 from nodeagent.core.paths import HostPaths
@@ -38,6 +39,7 @@ from nodeagent.core.snapshot import (
     TextFact,
 )
 from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
+from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot, reopen
 from nodeagent.host.moddep import Memo, find_module, module_dependencies
 from nodeagent.host.modfile import (
@@ -235,6 +237,36 @@ class Observer:
         return DiskModule(
             name=name, path=None, problem=f"not in modules.dep under {' or '.join(dirs)}"
         )
+
+    def chain_facts(
+        self, tree: str, planned: Sequence[str], trees: Iterable[str]
+    ) -> tuple[list[DiskModule], dict[str, tuple[LoadedModule, DiskModule]]]:
+        """What ``identity.chain_refusals`` compares, for an insert from ``tree`` that
+        adds ``planned`` (libkmod's dry run, in order): each planned module's file in that
+        tree, and each loaded module they depend on with the file among ``trees`` that
+        is the loaded one (else the first found: its identity then says it is not). For
+        the executor, on an observer of its own (the loop's caches are not shared across
+        threads); the parse cache is dropped after, no descriptor kept."""
+        try:
+            kernel, problems = self.read_kernel()
+            if problems:
+                raise NodeagentError(problems[0])
+            # libkmod judged "already loaded" from its own /sys; the host root's is the
+            # node's: a planned module live there is a provider, not an insert.
+            lives = {n: self.read_loaded_module(n) for n in planned}
+            inserts = [n for n in planned if lives[n] is None]
+            disks = [self.read_disk_module(name, kernel, (tree,)) for name in inserts]
+            loaded: dict[str, tuple[LoadedModule, DiskModule]] = {}
+            for dep in sorted({d for m in disks for d in m.depends} - set(inserts)):
+                live = lives.get(dep) or self.read_loaded_module(dep)
+                if live is None:
+                    continue
+                files = [self.read_disk_module(dep, kernel, (t,)) for t in trees]
+                same = [f for f in files if f.path and identity_mismatch(live, f) is None]
+                loaded[dep] = (live, (same or files)[0])
+            return disks, loaded
+        finally:
+            self._drop_cache()
 
     def _open_in_root(self, path: str) -> int:
         """modules.dep, identified without being opened (moddep reads it only when it is

@@ -203,6 +203,9 @@ def build_agent(
         executors=(*EXECUTORS, *(x for s in sides.values() for x in s.executors())),
         verified_fd=observer.verified_fd,  # load the very file the gate checked
         clock=clock,
+        # A load by name is checked first (CRCs) on an observer of its own: the workers'
+        # threads never share the loop's caches.
+        chain_facts=Observer(host, cfg).chain_facts,
     )
     workers = PlanWorkers(
         reconciler.guards,

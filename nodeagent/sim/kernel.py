@@ -628,6 +628,23 @@ class SimKernel:
         """Load with dependencies from ``moddir``'s modules.dep, like ``modprobe -d``."""
         self.modprobe(name, moddir, params)
 
+    def probe_plan(
+        self, name: str, moddir: str, params: Sequence[str] = ()
+    ) -> tuple[tuple[str, str], ...]:
+        """What ``probe`` would insert, in order, nothing inserted (libkmod's dry run)."""
+        name = validate_module_name(name)
+        real_dir = self.real_path(moddir)
+        if find_module(real_dir, name) is None:
+            where = self.node_path(real_dir)
+            raise ModuleOpError("probe", name, errno.ENOENT, f"module {name} not found in {where}")
+        with self._lock:
+            order = [*reversed(module_dependencies(real_dir, name)), name]
+            return tuple(
+                (dep, " ".join(params) if dep == name else "")
+                for dep in order
+                if dep not in self.modules
+            )
+
     def modprobe(
         self,
         name: str,
