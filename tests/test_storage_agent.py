@@ -7,6 +7,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -410,3 +411,88 @@ def test_an_opening_asks_for_no_pass_unless_mofed_has_run_and_not_finished(
     assert verdict.verdict == "clear"
     assert "lock_opened_seconds_ago" not in verdict.evidence
     assert wake_at is None
+
+
+CHAIN_DEPS = ("rdma_cm", "iw_cm", "ib_cm")  # what rpcrdma pulls in, nothing else holding them
+
+
+class SlowChain(Kernel):
+    """Removal mirrored into sysfs (holders too); ``during`` runs inside a removal of
+    ``slow`` (the step in flight) before it ends."""
+
+    def __init__(self, root: Path, slow: str, during: Callable[[], None]) -> None:
+        super().__init__(root)
+        self.slow, self.during = slow, during
+
+    def remove(self, name: str) -> None:
+        if name == self.slow:
+            self.during()
+        for d in (self.root / "sys/module").glob(f"*/holders/{name}"):
+            d.rmdir()
+            (d.parent.parent / "refcnt").write_text(f"{len(list(d.parent.iterdir()))}\n")
+        super().remove(name)
+
+
+def chain_node(tmp_path: Path) -> Path:
+    """rpcrdma and the chain it pulled in (modules.dep and holders), MOFED pending."""
+    root = node(tmp_path)
+    holders = {"rdma_cm": ["rpcrdma"], "iw_cm": ["rdma_cm"], "ib_cm": ["rdma_cm"]}
+    for name, held_by in holders.items():
+        d = root / "sys/module" / name
+        (d / "holders").mkdir(parents=True)
+        (d / "initstate").write_text("live\n")
+        (d / "refcnt").write_text(f"{len(held_by)}\n")
+        for h in held_by:
+            (d / "holders" / h).mkdir()
+    core = "kernel/drivers/infiniband/core"
+    dep = root / "lib/modules/6.1.0-test/modules.dep"
+    dep.parent.mkdir(parents=True)
+    dep.write_text(
+        f"kernel/net/sunrpc/xprtrdma/rpcrdma.ko: {core}/rdma_cm.ko {core}/iw_cm.ko "
+        f"{core}/ib_cm.ko\n{core}/rdma_cm.ko: {core}/iw_cm.ko {core}/ib_cm.ko\n"
+        f"{core}/iw_cm.ko:\n{core}/ib_cm.ko:\n"
+    )
+    return root
+
+
+def test_a_pass_during_the_removal_never_supersedes_it(tmp_path: Path) -> None:
+    """The removal's own steps wake passes (the hold file's write, each module's going):
+    one that comes once the top module is gone decides ``holding`` with nothing to do,
+    and that must not stop the removal it belongs to. Before: ``plan-superseded``, and
+    ``iw_cm``, ``ib_cm`` left loaded (the notes of issue 51; issue 55)."""
+    root = chain_node(tmp_path)
+    agent_box: list[Agent] = []
+    passes: list[float] = []
+
+    def a_pass_meanwhile() -> None:  # rpcrdma is gone: this pass decides "holding"
+        agent = agent_box[0]
+        seen = len(passes)
+        agent.poke.poke("test: a pass while rdma_cm goes")
+        until(lambda: len(passes) > seen, "no pass ran during the removal")
+
+    kernel = SlowChain(root, "rdma_cm", a_pass_meanwhile)
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+    agent_box.append(agent)
+    run_pass = agent.run_pass
+
+    def counted(woken_by: Any = ()) -> Any:
+        try:
+            return run_pass(woken_by)
+        finally:
+            passes.append(0.0)
+
+    agent.run_pass = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: len(kernel.removed) >= 2 and not agent.workers.busy(), "the removal")
+        assert sorted(kernel.removed) == ["ib_cm", "iw_cm", "rdma_cm", "rpcrdma"]
+        assert kernel.removed[:2] == ["rpcrdma", "rdma_cm"]
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+    assert not thread.is_alive()

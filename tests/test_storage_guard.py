@@ -570,3 +570,16 @@ def test_a_load_back_refused_for_its_crcs_is_named_with_its_remedy_until_one_goe
     mem = GUARD.absorb(d.memory, ActionOutcome(load, ok=True), 1305)
     d = GUARD.decide(ready_node(*INBOX, mod("ib_core", "mlx5_ib"), mod("rpcrdma"), now=1306), mem)
     assert (d.verdict.verdict, d.verdict.ok) == ("clear", True) and d.memory.load_refused is None
+
+
+def test_holding_lets_the_removal_finish_and_a_hold_in_place_is_not_rewritten() -> None:
+    """Two halves of one rule: a pass during the removal must not stop it
+    (``tests/test_storage_agent.py`` runs it in the real loop)."""
+    d = GUARD.decide(seed_004(1200), GUARD.initial_memory())
+    assert isinstance(d.actions[0], WriteFile) and not d.plan.lets_finish
+    held = node(*INBOX, now=1201, hold=True, locked=True)
+    h = GUARD.decide(held, d.memory)
+    assert h.verdict.verdict == "holding" and h.actions == () and h.plan.lets_finish
+    again = GUARD.decide(replace(seed_004(1201), files=held.files), d.memory)
+    assert again.verdict.verdict == "blocking"
+    assert not any(isinstance(a, WriteFile) for a in again.actions)

@@ -127,6 +127,10 @@ class Plan:
     # Protective (e.g. unloading an idle peermem as a MOFED restart begins): started in the
     # pass that decided it, before any bookkeeping, never queued behind a step in flight.
     urgent: bool = False
+    # With no steps: nothing new to start, and the plan running or queued still stands
+    # (its premise holds: the storage guard's removal while it holds), so it is not
+    # superseded. Without it, an empty decision stops a running plan at its next step.
+    lets_finish: bool = False
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,18 @@ class GuardDecision(Generic[M]):
     strategy: Strategy = "sequence"
     bound: int = 1
     urgent: bool = False  # a protective plan: see Plan.urgent
+    lets_finish: bool = False  # no actions, and the running plan stands: see Plan.lets_finish
 
     @property
     def plan(self) -> Plan:
-        return Plan(self.verdict.guard, self.actions, self.strategy, self.bound, self.urgent)
+        return Plan(
+            self.verdict.guard,
+            self.actions,
+            self.strategy,
+            self.bound,
+            self.urgent,
+            self.lets_finish and not self.actions,
+        )
 
 
 class Guard(Protocol[M]):

@@ -23,7 +23,8 @@ AgentMemory = Mapping[str, Any]  # guard name -> that guard's memory value
 @dataclass(frozen=True)
 class Reconciliation:
     verdicts: Mapping[str, Verdict]
-    plans: Mapping[str, Plan]  # guards with something to do this pass, in guard order
+    # Guards with something to do this pass (or a plan to let finish), in guard order.
+    plans: Mapping[str, Plan]
     memory: AgentMemory
     events: tuple[tuple[str, str], ...]  # (guard, event)
     wake_at: float | None
@@ -63,7 +64,7 @@ class Reconciler:
                 mem = guard.initial_memory()
             d = guard.decide(snap, mem)
             verdicts[name] = d.verdict
-            if d.actions:
+            if d.actions or d.lets_finish:  # an empty plan that lets the running one finish
                 plans[name] = d.plan
             new_memory[name] = d.memory
             events.extend((name, e) for e in d.events)

@@ -311,6 +311,7 @@ class StorageGuard:
         reasons: list[str] = []
         actions: list[Action] = []
         wake_at: float | None = None
+        lets_finish = False
         if pending and loaded:
             tops = holders_closure(snap.modules, loaded)
             users, unseen = self._users(snap, sorted(tops))
@@ -362,7 +363,10 @@ class StorageGuard:
                     if self._backing_off(memory, "remove", snap.now):
                         wake_at = _sooner(wake_at, memory.retry_at)
                     else:
-                        if pol.policy == "hold":
+                        # A hold file in place is kept as it is: rewritten, the write
+                        # would differ from the one a running removal made (the chain
+                        # seen mid-way is shorter) and supersede it.
+                        if pol.policy == "hold" and not hold.present:
                             actions.append(
                                 WriteFile(
                                     self.name,
@@ -382,6 +386,9 @@ class StorageGuard:
             # Until MOFED is ready: a crash-looping MOFED is not pending between its tries,
             # and a lock the agent cannot read may be MOFED's: the hold stays.
             verdict = "holding"
+            # The removal in flight belongs to this hold (its own steps wake passes: the
+            # hold file's write, each module's going): nothing new, and it runs to its end.
+            lets_finish = True
             if lock_unknown:
                 reasons.append(f"keeping the hold: {lock_unknown}")
         elif loaded and lock_unknown:
@@ -452,6 +459,7 @@ class StorageGuard:
             memory=memory,
             wake_at=wake_at,
             strategy="sequence",
+            lets_finish=lets_finish,
         )
 
     def _removal_set(self, snap: NodeSnapshot, tops: set[str]) -> set[str]:

@@ -5,12 +5,14 @@ plan (controller-runtime gives each controller its own workqueue; this is that,
 per guard). Every rule about running a plan is here:
 
 - ``submit`` hands a guard's latest decision to its worker. The same steps as
-  the plan in hand, or as what is left of the running one, change nothing: a
-  pass that decided from an observation taken while a step was in flight must
-  not restart it.
+  the plan in hand, or steps all of the running plan's, change nothing: a pass
+  that decided from an observation taken while a step was in flight (or before
+  the steps already done took effect) must not restart it.
 - Other steps (none included) **supersede** the running plan at its next safe
   point: no step is started after that, the step in flight ends on its own.
-  The superseded run is handed back with what it did and did not do.
+  The superseded run is handed back with what it did and did not do. An empty
+  decision that **lets it finish** (``Plan.lets_finish``: its premise still
+  holds) supersedes nothing.
 - An **urgent** plan (a protective action: unloading an idle ``nvidia_peermem``
   when a MOFED restart begins) starts at once on a lane of its own, never
   behind a step in flight.
@@ -218,9 +220,12 @@ class _Run:
         """``steps`` is what this run still does: its steps from the one in flight on."""
         if not steps:
             return False
-        if self.plan.strategy == "sequence":
-            first = max(self.started, default=0)
-            return steps in (self.plan.steps[first:], self.plan.steps[first + 1 :])
+        # Steps the running plan does or did, and nothing else: a pass that observed
+        # while they took effect decides what is left, or some of it again (the storage
+        # guard's removal seen mid-way: the hold file written, a module going). A
+        # sequence stops at its first failure, so each step before the one in flight is
+        # done; one it has not reached that the newer decision leaves out (a module
+        # that now has a user) is refused by the kernel if it is in use.
         return set(steps) <= set(self.plan.steps)
 
 
@@ -257,6 +262,8 @@ class GuardWorker:
             if self._current is not None and self._current.continues_with(plan.steps):
                 self._wanted = plan.steps
                 return
+            if plan.lets_finish and (self._current is not None or self._queued is not None):
+                return  # nothing new, and what runs still stands
             self._wanted = plan.steps
             if self._current is not None:
                 self._current.superseded = True
