@@ -496,3 +496,64 @@ def test_a_pass_during_the_removal_never_supersedes_it(tmp_path: Path) -> None:
         agent.stop()
         thread.join(WAIT)
     assert not thread.is_alive()
+
+
+class Reloads(SlowChain):
+    """Also loads back, into sysfs; ``during`` runs inside each probe before it ends."""
+
+    def __init__(self, root: Path, during: Callable[[], None]) -> None:
+        super().__init__(root, "", lambda: None)
+        self.probed: list[str] = []
+        self.during_probe = during
+
+    def probe(self, name: str, moddir: str, params: object = ()) -> None:
+        self.probed.append(name)
+        self.during_probe()
+        d = self.root / "sys/module" / name
+        (d / "holders").mkdir(parents=True)
+        (d / "refcnt").write_text("0\n")
+        (d / "initstate").write_text("live\n")
+
+
+def test_the_load_back_is_decided_once_while_passes_come_during_it(tmp_path: Path) -> None:
+    """MOFED ready: the hold file goes and rpcrdma is loaded back. The removal of the
+    hold file, and a pass forced while the load is in flight, decide from a node where
+    rpcrdma is not back yet: the load in flight stands, and is made once."""
+    root = node(tmp_path)
+    passes: list[int] = []
+    box: list[Agent] = []
+
+    def a_pass_meanwhile() -> None:
+        seen = len(passes)
+        box[0].poke.poke("test: a pass while rpcrdma loads")
+        until(lambda: len(passes) > seen, "no pass ran during the load")
+
+    kernel = Reloads(root, a_pass_meanwhile)
+    agent = Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+    box.append(agent)
+    run_pass = agent.run_pass
+
+    def counted(woken_by: Any = ()) -> Any:
+        try:
+            return run_pass(woken_by)
+        finally:
+            passes.append(0)
+
+    agent.run_pass = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: agent.memory["storage"].holding, "the hold was never taken")
+        (root / "proc/locks").write_text("")  # MOFED's install ended: its lock let go
+        (root / "run/mellanox/drivers/.driver-ready").touch()
+        agent.poke.poke("test: MOFED is ready")  # /proc/locks is not watched
+        until(lambda: not agent.memory["storage"].removed, "never loaded back")
+        assert kernel.probed == ["rpcrdma"] and not (root / HOLD).exists()
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+    assert not thread.is_alive()
