@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -602,3 +603,40 @@ def test_a_hung_netlink_write_holds_only_its_own_socket(tmp_path: Path) -> None:
     assert _FakeIPRoute.opened[0].closed  # closed when its call returned, not kept
     with pytest.raises(OSError, match="closed"):
         ops.set_vf("pf", 1, {"trust": True})
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES])
+@pytest.mark.parametrize("which", ["the PF's directory", "a VF's net directory"])
+def test_unreadable_is_never_absent(
+    kernel: SimKernel, monkeypatch: pytest.MonkeyPatch, err: int, which: str
+) -> None:
+    """A listing that fails with anything but ENOENT is a problem on that pass, named,
+    never "no VFs" or "no netdev" (which reads as VFs gone, and restores them again).
+    Before: the PF read with no VFs and no problem."""
+    guard = SriovGuard()
+    first = guard.decide(
+        mofed_ready_snapshot(10.0, observer(kernel).observe()), guard.initial_memory()
+    )
+    assert first.memory.pfs[PF_PCI].phase == "stable"
+    vf0 = kernel.pfs[PF].vfs[0].pci
+    bad = (
+        f"sys/bus/pci/devices/{PF_PCI}"
+        if which.startswith("the PF")
+        else (f"sys/bus/pci/devices/{vf0}/net")
+    )
+    listdir = HostRoot.listdir
+
+    def failing(self: HostRoot, rel: str, *a: Any, **kw: Any) -> list[str]:
+        if rel == bad:
+            raise OSError(err, os.strerror(err))
+        return listdir(self, rel, *a, **kw)
+
+    monkeypatch.setattr(HostRoot, "listdir", failing)
+    obs = observer(kernel).observe()
+    pf = obs.pfs[PF_PCI]
+    said = [*pf.problems, *(p for v in pf.vfs for p in v.problems)]
+    assert f"{bad} unreadable: {os.strerror(err)}" in said
+    d = guard.decide(mofed_ready_snapshot(20.0, obs), first.memory)
+    assert not d.actions  # nothing judged gone, nothing restored
+    kept = d.memory.pfs[PF_PCI]
+    assert kept.unread and replace(kept, unread=()) == first.memory.pfs[PF_PCI]

@@ -296,7 +296,12 @@ def _note_unread(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
 
 
 def _track(p: _Pass, mem: PfMemory, obs: PfSnapshot | None) -> PfMemory:
-    """stable / restored: follow the owner's changes, from what was read; notice a disruption."""
+    """stable / restored: follow the owner's changes, from what was read; notice a disruption.
+    A read with problems (a listing or a link that failed with anything but ENOENT) is
+    no evidence of VFs gone: the snapshot is kept and the first clean read compares (a
+    VF created again meanwhile shows by its device's identity)."""
+    if obs is not None and read_problems(obs):
+        return mem
     why = _vfs_gone(obs, mem.saved)
     if why is not None:  # (a PF still bound, e.g. numvfs 0 and back: restoring at once)
         return _disrupted(p, _disrupt(p, mem, why), obs)

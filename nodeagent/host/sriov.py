@@ -62,43 +62,47 @@ class Sysfs:
     def __init__(self, host: HostRoot) -> None:
         self.host = host
 
-    def _stat(self, rel: str) -> os.stat_result | None:
+    def _stat(self, rel: str, problems: list[str] | None = None) -> os.stat_result | None:
         try:
             fd = self.host.open(rel, os.O_PATH, follow=True)
-        except (OSError, NodeagentError):
+        except (OSError, NodeagentError) as exc:
+            _absent(rel, exc, problems)
             return None
         try:
             return os.fstat(fd)
         finally:
             os.close(fd)
 
-    def link_name(self, rel: str) -> str | None:
+    def link_name(self, rel: str, problems: list[str] | None = None) -> str | None:
         """The last component of a symlink's target (``driver`` -> ``mlx5_core``)."""
         parent, _, name = rel.rpartition("/")
         try:
             dfd = self.host.open(parent, os.O_PATH | os.O_DIRECTORY, follow=True)
-        except (OSError, NodeagentError):
+        except (OSError, NodeagentError) as exc:
+            _absent(parent, exc, problems)
             return None
         try:
             return os.path.basename(os.readlink(name, dir_fd=dfd))
-        except OSError:
+        except OSError as exc:
+            _absent(rel, exc, problems)
             return None
         finally:
             os.close(dfd)
 
-    def listdir(self, rel: str) -> list[str]:
+    def listdir(self, rel: str, problems: list[str] | None = None) -> list[str]:
         try:
             return self.host.listdir(rel)
-        except (OSError, NodeagentError):
+        except (OSError, NodeagentError) as exc:
+            _absent(rel, exc, problems)
             return []
 
-    def ident(self, rel: str) -> int | None:
+    def ident(self, rel: str, problems: list[str] | None = None) -> int | None:
         """The inode of a sysfs directory: a device destroyed and created again gets another."""
-        st = self._stat(rel)
+        st = self._stat(rel, problems)
         return None if st is None else st.st_ino
 
-    def first_netdev(self, dev: str) -> str | None:
-        names = self.listdir(f"{dev}/net")
+    def first_netdev(self, dev: str, problems: list[str] | None = None) -> str | None:
+        names = self.listdir(f"{dev}/net", problems)
         return names[0] if names else None
 
     def exists(self, rel: str) -> bool:
@@ -122,6 +126,14 @@ class Sysfs:
             problems.append(f"{rel} is {text[:20]!r}, not {what} (0..{most})")
             return None
         return int(text)
+
+
+def _absent(rel: str, exc: Exception, problems: list[str] | None) -> None:
+    """A read that found nothing: absent when the kernel says so (``ENOENT``,
+    ``ENOTDIR``); anything else (``EACCES``, ``EIO``, a symlink refused) is unreadable,
+    never absent, and goes to ``problems``: a VF read as gone would be restored again."""
+    if problems is not None and not isinstance(exc, FileNotFoundError | NotADirectoryError):
+        problems.append(f"{rel} unreadable: {getattr(exc, 'strerror', None) or exc}")
 
 
 def _clean(
@@ -247,8 +259,8 @@ class SriovObserver:
         sysfs = self.sys
         dev = f"{PCI_DEVICES}/{pci}"
         problems: list[str] = []
-        driver = sysfs.link_name(f"{dev}/driver")
-        netdev = sysfs.first_netdev(dev) if driver else None
+        driver = sysfs.link_name(f"{dev}/driver", problems)
+        netdev = sysfs.first_netdev(dev, problems) if driver else None
         numvfs = sysfs.read_count(f"{dev}/sriov_numvfs", problems)
         totalvfs = sysfs.read_count(f"{dev}/sriov_totalvfs", problems)
         vf_settings: dict[int, dict[str, Any]] = {}
@@ -260,7 +272,7 @@ class SriovObserver:
         elif netdev is not None:
             problems.append("no netlink: VF settings not read")
         indexes = []
-        for n in sysfs.listdir(dev):
+        for n in sysfs.listdir(dev, problems):
             suffix = _virtfn_suffix(n)
             if suffix is None:
                 continue
@@ -272,10 +284,11 @@ class SriovObserver:
         for i in sorted(indexes):
             where = f"VF {i}"
             bad: list[str] = []
-            vf_pci = _pci_or_problem(sysfs.link_name(f"{dev}/virtfn{i}"), f"{dev}/virtfn{i}", bad)
+            vf_link = sysfs.link_name(f"{dev}/virtfn{i}", bad)
+            vf_pci = _pci_or_problem(vf_link, f"{dev}/virtfn{i}", bad)
             vdev = f"{PCI_DEVICES}/{vf_pci}" if vf_pci else None
-            vf_driver = sysfs.link_name(f"{vdev}/driver") if vdev else None
-            vf_netdev = sysfs.first_netdev(vdev) if vdev else None
+            vf_driver = sysfs.link_name(f"{vdev}/driver", bad) if vdev else None
+            vf_netdev = sysfs.first_netdev(vdev, bad) if vdev else None
             settings, bad_settings = _clean(vf_settings.get(i, {}), PF_SIDE, where)
             bad += bad_settings
             netdev_ident = None
@@ -283,7 +296,7 @@ class SriovObserver:
                 netdev_ident = sysfs.read_count(
                     f"{vdev}/net/{vf_netdev}/ifindex", bad, most=IFINDEX_MAX, what="an ifindex"
                 )
-            ident = sysfs.ident(vdev) if vdev else None
+            ident = sysfs.ident(vdev, bad) if vdev else None
             if vdev and (ident is None or before.get(i) != ident):
                 # Not the device whose settings were read: a torn read, never "restored".
                 bad.append(f"{where}: its device changed while it was read; read again")
