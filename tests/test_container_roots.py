@@ -121,9 +121,15 @@ class FakeProc:
         self.pid = 4242
         (self.dir / str(self.pid)).mkdir(parents=True)
         (self.dir / str(self.pid) / "cmdline").write_bytes(b"nvidia-driver\0init\0")
+        self.started(1000)
         self.marks: set[int] = set()
         self.root_resolves = True  # what the kernel's /proc/<pid>/root does
         self.on_marks_read: Callable[[], None] = lambda: None
+
+    def started(self, ticks: int) -> None:
+        """Its ``stat``: a command name with a space and a ``)``, field 22 ``ticks``."""
+        head = f"{self.pid} (nvidia) driver) S " + "0 " * 18
+        (self.dir / str(self.pid) / "stat").write_text(f"{head}{ticks} 0 0\n")
 
     def scanner(self) -> RootScanner:
         def dev_of(path: str) -> int | None:
@@ -203,6 +209,22 @@ def test_a_root_unmounted_under_a_running_container_says_it_is_alive(tmp_path: P
     scanner.scan()
     (gone,) = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
     assert gone["container_alive"] is True
+
+
+def test_a_pid_reused_by_another_process_is_not_the_container_alive(tmp_path: Path) -> None:
+    """The container exits and its pid goes to a new process before the scan that sees
+    the mark gone: that pid's root resolves, but its start time is not the container's.
+    Before: ``container_alive`` true (issue 55)."""
+    fake = FakeProc(tmp_path)
+    scanner = fake.scanner()
+    scanner.prepare()
+    scanner.scan()
+    assert [r.start_time for r in scanner.roots()] == [1000]
+    fake.marks.clear()
+    fake.started(2500)  # pid 4242, another process
+    scanner.scan()
+    (gone,) = [r for r in scanner.reports if r["kind"] == "hold-root-gone"]
+    assert gone["container_alive"] is False
 
 
 # -- real containers, real marks ------------------------------------------------
@@ -690,3 +712,22 @@ def test_a_container_that_takes_a_settled_pid_is_marked(rig: Rig) -> None:
         assert [r.pid for r in scanner.roots()] == [old.pid]
     finally:
         scanner.stop()
+
+
+def test_start_time_reads_this_kernels_stat(tmp_path: Path) -> None:
+    """Field 22 on this kernel: a child started after this process has a later one, and
+    a process whose name holds ``) `` is still read (counted from the last ``)``)."""
+    from nodeagent.host.containers import start_time
+
+    own = start_time("/proc", os.getpid())
+    odd = tmp_path / "a) b ) c"  # its command name, the file it was exec'd from
+    odd.symlink_to(shutil.which("sleep") or "/bin/sleep")
+    child = subprocess.Popen([str(odd), "30"])
+    try:
+        assert ") b )" in Path(f"/proc/{child.pid}/stat").read_text()
+        theirs = start_time("/proc", child.pid)
+        assert own is not None and theirs is not None and theirs >= own
+    finally:
+        child.kill()
+        child.wait()
+    assert start_time("/proc", child.pid) is None

@@ -59,7 +59,10 @@ drops a filesystem mark when its superblock goes (the runtime unmounts the
 container's root), and no descriptor is held on it, so the unmount is never
 refused because of the agent. A root whose container is gone but whose overlay
 is still mounted (e.g. a stale bind at ``/run/nvidia/driver``) stays marked:
-a load through it is the same race.
+a load through it is the same race. When a mark goes, ``hold-root-gone`` says
+whether its container still runs: its pid's root resolves and the pid is still
+the process marked (its start time, ``/proc/<pid>/stat`` field 22, as at the
+mark: a pid reused by another process is not the container).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from nodeagent.host.procevents import ConnectorRefused, ExecEvents
 OVERLAYFS_SUPER_MAGIC = 0x794C7630
 CMDLINE_BYTES = 4096
 STATUS_BYTES = 8192
+STAT_BYTES = 1024  # /proc/<pid>/stat: 52 numbers and a 16-byte command name
 CAP_SYS_MODULE = 16
 FULL_SCAN_S = 2.0  # with exec events: the safety net's period
 BURST_LOOKS = 8  # with exec events: looks at once before the batch's pace (a start's burst)
@@ -97,6 +101,9 @@ class ContainerRoot:
     marked_at: float  # the scanner's clock
     noticed_s: float  # from first seeing the pid to the mark in place
     mount_ns: tuple[int, int] | None = None  # its process's mount namespace, at the mark
+    # Its process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot), at
+    # the mark: with the pid, which process it is (a pid is reused, a start time is not).
+    start_time: int | None = None
 
     def dev_text(self) -> str:
         return f"{os.major(self.dev)}:{os.minor(self.dev)}"
@@ -150,6 +157,21 @@ def _read_head(path: str, size: int) -> bytes:
         return os.read(fd, size)
     finally:
         os.close(fd)
+
+
+def start_time(proc: str, pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (``starttime``), or None when unreadable. The
+    command name (field 2) may hold spaces and parentheses: the fields are counted from
+    the last ``)``."""
+    try:
+        raw = _read_head(f"{proc}/{pid}/stat", STAT_BYTES)
+    except OSError:
+        return None
+    _comm, paren, rest = raw.rpartition(b")")
+    fields = rest.split()
+    if not paren or len(fields) < 20 or not fields[19].isdigit():
+        return None
+    return int(fields[19])  # fields[0] is field 3 (state)
 
 
 def _stat_dev(path: str) -> int | None:
@@ -548,7 +570,8 @@ class RootScanner:
             return True
         now = self.clock()
         mount_ns = _ns_id(f"{self.proc}/{pid}/ns/mnt")
-        marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen, mount_ns)
+        started = start_time(self.proc, pid)
+        marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen, mount_ns, started)
         with self._lock:
             self._roots[dev] = marked
         self._report(
@@ -581,13 +604,15 @@ class RootScanner:
                     "kind": "hold-root-gone",
                     "pid": r.pid,
                     "dev": r.dev_text(),
-                    "container_alive": self._alive(r.pid),
+                    "container_alive": self._alive(r),
                     "seconds": round(self.clock() - r.marked_at, 3),
                 }
             )
 
-    def _alive(self, pid: int) -> bool:
-        """Whether ``pid`` still runs, asked after the kernel's marks were read.
+    def _alive(self, root: ContainerRoot) -> bool:
+        """Whether the process that led to ``root`` still runs, asked after the kernel's
+        marks were read: its pid's root resolves, and the pid is still that process (its
+        start time as at the mark; a pid reused within one scan is another process).
 
         Not "listed in ``/proc``": a zombie is listed until its parent reaps it, and
         the listing was taken before the marks, so a container that exited between
@@ -595,7 +620,9 @@ class RootScanner:
         process's root (``exit_fs``) before its mount namespace, so once a mark went
         with the namespace, a root that still resolves is a process still running.
         """
-        return self._dev(f"{self.proc}/{pid}/root") is not None
+        if self._dev(f"{self.proc}/{root.pid}/root") is None:
+            return False
+        return root.start_time is None or start_time(self.proc, root.pid) == root.start_time
 
     def _kernel_marks(self) -> set[int] | None:
         try:

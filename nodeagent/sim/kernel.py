@@ -410,6 +410,9 @@ class SimKernel:
         d.mkdir(parents=True, exist_ok=True)
         (d / "comm").write_text(proc.comm + "\n")
         (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in proc.cmdline))
+        # Field 22, the start time in clock ticks (100 a second): with the pid, which process.
+        started = round(self.sched.now() * 100)
+        (d / "stat").write_text(f"{proc.pid} ({proc.comm}) S {'0 ' * 18}{started} 0\n")
 
     def _open_for_load(self, path: Path, pid: int) -> None:
         """An opener's ``open()`` of a module file: one event per group marking its
