@@ -218,7 +218,7 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
         exporters = build_exporters(cfg, once)
         try:
             agent = build_agent(cfg, exporters=exporters)
-            with StopOnSignal(agent.stop_on_signal, grace_seconds=1.5) as signals:
+            with StopOnSignal(agent.stop_on_signal) as signals:
                 signals.stop_now = agent.stop
                 agent.run(once=once)
         finally:

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
     shutil.rmtree(root / "sys", ignore_errors=True)
     agent, node = build(root)
     try:
-        with StopOnSignal(agent.stop_on_signal, grace_seconds=1.5) as signals:
+        with StopOnSignal(agent.stop_on_signal) as signals:
             signals.stop_now = agent.stop
             agent.run()
     finally:

@@ -442,16 +442,25 @@ def pending(sources: Sequence[WakeSource]) -> bool:
     return bool(plain) and bool(readable(plain))
 
 
+# How long a stop waits for the loop to return (the pass in flight, then the stop's own
+# steps) before the process exits 143: inside the base DaemonSet's 30 s of grace, with the
+# supervisor's 5 s for what is left under it after.
+STOP_GRACE_S = 20.0
+
+
 class StopOnSignal:
     """SIGTERM/SIGINT stop the daemon within ``grace_seconds``, whatever it is doing.
 
     The signals are blocked in every thread and taken by one thread with
     ``sigwait``, so they are seen at once even while the main thread is inside
     a long C call (a Python handler would wait for it to return). That thread
-    asks the loop to stop; if the loop has not returned within the grace
-    period (a pass stuck in a read or a module load), the process exits there
-    and then with 143: every file the agent writes is written atomically and
-    guard memory ahead of actions, so this costs at most the pass in flight.
+    asks the loop to stop. The pass in flight is finished, never abandoned
+    mid-way (a pass is milliseconds; one slowed by a loaded node ends well
+    within the grace), then the loop stops as after any pass, and the process
+    exits 0. Only a loop that has not returned within the grace (a pass hung in
+    the kernel) makes the process exit there and then with 143: every file the
+    agent writes is written atomically and guard memory ahead of actions, so
+    this costs at most the pass in flight.
 
     ``stop`` may return seconds the agent drains first (``Agent.stop_on_signal``: a load
     held with its gate closed): the grace is counted from the drain's end, and a second
@@ -460,7 +469,9 @@ class StopOnSignal:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, stop: Callable[[], float | None], grace_seconds: float = 1.5) -> None:
+    def __init__(
+        self, stop: Callable[[], float | None], grace_seconds: float = STOP_GRACE_S
+    ) -> None:
         self.stop = stop
         self.stop_now: Callable[[], object] = stop  # (a second signal; the caller may set it)
         self.grace = grace_seconds

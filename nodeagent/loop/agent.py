@@ -27,7 +27,7 @@ from nodeagent.loop.records import action_record
 log = logging.getLogger("nodeagent")
 
 # At stop, steps in flight get this long to end before the stop actions run (SIGTERM's
-# grace is 1.5 s: host/events.py, StopOnSignal).
+# grace for the whole stop: host/events.py, STOP_GRACE_S).
 STOP_WAIT_S = 1.0
 # After a wake-up, how long the pass waits for a file just created in a watched directory
 # to be closed by its writer (``FileWatch.settle``): a condition, not a delay.
