@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,13 +200,30 @@ def test_sigkill_of_the_agent_releases_the_held_opener(root: Root) -> None:
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "marked"
         proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
-        time.sleep(1.0)
+        # Held: blocked in the kernel on its open, waiting for the agent's answer (not "still
+        # running after a second", which a slow guest shows before it even opened the file).
+        until(lambda: _blocked_in_open(proc.pid), "modprobe never blocked in its open")
         assert proc.poll() is None, "modprobe was not held by the agent"
         agent.send_signal(signal.SIGKILL)
         assert proc.wait(WAIT) == 0  # the kernel allows what the dead group held
     finally:
         agent.kill()
     assert _loaded(PEER.name)
+
+
+OPEN_SYSCALLS = {"2", "257", "437"}  # x86_64: open, openat, openat2
+
+
+def _blocked_in_open(pid: int) -> str | None:
+    """Where ``pid`` sleeps when it is blocked in an open on a fanotify permission event
+    (its ``/proc/<pid>/syscall`` an open, its ``wchan`` fanotify's wait for the answer),
+    else None. ``unshare`` and ``chroot`` exec into ``modprobe``: the pid stays."""
+    try:
+        nr = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except (OSError, IndexError):
+        return None
+    return wchan if nr in OPEN_SYSCALLS and "fanotify" in wchan else None
 
 
 def _gone(pid: int) -> bool:
@@ -256,6 +272,7 @@ def test_the_responder_apart_answers_for_a_stopped_agent_and_goes_with_a_killed_
             p = subprocess.run(in_container(root, *argv), capture_output=True, timeout=WAIT)
             assert p.returncode == 0, (argv, p.stderr)
         until(lambda: _loaded(PROV.name), "modprobe's dependency did not load first")
+        until(lambda: _blocked_in_open(proc.pid), "modprobe never blocked in its open")
         assert proc.poll() is None and not _loaded(PEER.name), "the load went on, gate closed"
         agent.send_signal(signal.SIGKILL)
         assert proc.wait(WAIT) == 0  # the responder let go as its agent died
