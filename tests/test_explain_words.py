@@ -477,9 +477,62 @@ UNRELATED = [
 ]
 
 
+# Other vendors' modules in use: rmmod and modprobe -r print the same words for any module.
+OTHER_IN_USE = [
+    "rmmod: ERROR: Module snd_hda_intel is in use",
+    "modprobe: FATAL: Module zfs is in use.",
+    "rmmod: ERROR: Module vboxdrv is in use by: vboxnetflt,vboxnetadp",
+    "rmmod: ERROR: Module kvm_intel is in use",
+    "Module i915 is in use by: snd_hda_codec_hdmi",
+]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_unrelated_families_stay_silent_in_every_shape(shape: str) -> None:
-    assert kinds(*map(SHAPES[shape], UNRELATED)) == []
+    """With another vendor's module in use (issue 56): "in use" names openibd's incident
+    only for a module of the RDMA stack, its storage or the GPU's."""
+    assert kinds(*map(SHAPES[shape], UNRELATED + OTHER_IN_USE)) == []
+
+
+def test_a_module_held_by_the_gpu_s_is_an_openibd_incident_whatever_its_name() -> None:
+    held = "rmmod: ERROR: Module xyz_helper is in use by: nvidia_peermem"
+    assert kinds(held) == ["openibd-module-in-use"]
+
+
+def _typographic(line: str) -> str:
+    """As a forum, a wiki or a word processor gives it back: curly quotes, dashes."""
+    out, opened = [], False
+    for ch in line:
+        if ch == "'":
+            out.append("\u2019" if opened else "\u2018")
+            opened = not opened
+        elif ch == '"':
+            out.append("\u201d" if opened else "\u201c")
+            opened = not opened
+        else:
+            out.append(ch)
+    return "".join(out).replace(" - ", " \u2013 ")
+
+
+TYPOGRAPHIC = [
+    pytest.param(lines, kind, shape, id=f"{kind}:{lines[-1][:40]}:{shape}")
+    for lines, kind in KERNEL_AND_KMOD + OPENIBD_AND_CONTAINERS
+    if any("'" in line or '"' in line or " - " in line for line in lines)
+    for shape in SHAPES
+]
+
+
+@pytest.mark.parametrize(("lines", "kind", "shape"), TYPOGRAPHIC)
+def test_each_family_pasted_with_typographic_quotes(
+    lines: list[str], kind: str, shape: str
+) -> None:
+    """Issue 56: logs pasted through forums turn 'nvidia_peermem' into ‘nvidia_peermem’;
+    matched as ASCII, and the evidence quotes the line as written."""
+    pasted = [SHAPES[shape](_typographic(line)) for line in lines]
+    doc = explain_lines([("log", pasted)])
+    assert [i["kind"] for i in doc["incidents"]] == [kind]
+    quoted = [e["text"] for i in doc["incidents"] for e in i["evidence"]]
+    assert any(ch in q for q in quoted for ch in "\u2018\u2019\u201c\u201d\u2013")
 
 
 def test_kubectl_s_time_wins_over_a_dmesg_line_s_own() -> None:

@@ -144,6 +144,22 @@ _PEERMEM = r"(?P<module>nvidia[_-]peermem|nv_peer_mem)"
 # Storage modules that sit on the RDMA stack and are built for one of its two builds
 # (inbox or MOFED): MOFED refuses to install under them (seed 004).
 _STORAGE = r"(?P<module>nvme_rdma|nvmet_rdma|rpcrdma|xprtrdma|svcrdma|ib_iser|ib_isert|ib_srpt?)"
+# The modules openibd loads and unloads, the storage on them and the GPU's: "is in use"
+# names an openibd incident only for one of these (any vendor's rmmod prints the words).
+_STACK_MODULE = (
+    r"(?:(?:ib|rdma|iw|mlx4|mlx5|nvme|nvmet)_\w+|mlx_compat|mlxfw|mlxdevm|knem|irdma"
+    r"|rpcrdma|xprtrdma|svcrdma|nvidia\w*|nv_peer_mem)\b"
+)
+# Typographic forms of ASCII punctuation, as logs pasted through forums, wikis and word
+# processors carry them: matched as ASCII, quoted as written.
+_TYPOGRAPHIC = str.maketrans(
+    {
+        "\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'",
+        "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"',
+        "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-",
+        "\u2212": "-", "\u00a0": " ", "\u2009": " ", "\u202f": " ",
+    }
+)  # fmt: skip
 # What kmod and the kernel print about one module's symbols: "<mod>: ..." (the kernel),
 # "<path>/<mod>.ko ..." (depmod)
 _SYMBOL_WORDS = (
@@ -436,8 +452,12 @@ SIGNATURES: tuple[Signature, ...] = (
     Signature(
         "module-in-use",
         # rmmod "Module %s is in use by: ..." (garbled after "by:" in kmod 34), "Module %s is
-        # in use"; modprobe -r "Module %s is in use."
-        re.compile(r"Module (\w+) is in use(?: by:? ?(\S+))?"),
+        # in use"; modprobe -r "Module %s is in use." Only where the module, or what holds
+        # it, is of the RDMA stack, its storage or the GPU's: any vendor's module prints it.
+        re.compile(
+            rf"Module (?:{_STACK_MODULE}) is in use(?: by:? ?\S+)?"
+            rf"|Module \w+ is in use by:? ?(?:{_STACK_MODULE})"
+        ),
         f"{KMOD} (rmmod, modprobe -r); Mellanox/doca-driver-build PR 481",
         (" is in use",),
     ),
@@ -941,9 +961,10 @@ class Explainer:
             state.stamp, state.line = stamp, lineno
         elif state.stamp is not None and lineno - state.line <= INHERIT_LINES:
             stamp = state.stamp
-        low = line.lower()
+        text = line if line.isascii() else line.translate(_TYPOGRAPHIC)
+        low = text.lower()
         for sig in SIGNATURES:
-            m = sig.match(line, low)
+            m = sig.match(text, low)
             if m is None:
                 continue
             fields = tuple((k, v) for k, v in m.groupdict().items() if v is not None)
