@@ -188,6 +188,22 @@ OPENIBD_AND_CONTAINERS: list[tuple[list[str], str]] = [
         ["Please make sure module 'rpcrdma' is not in use and unload it."],
         "storage-blocks-mofed",
     ),
+    (  # OFED 4.0-4.1's openibd: unquoted, "first", after its "Cannot unload" line
+        [
+            "Cannot unload driver while nvme_rdma is loaded...",
+            "Please close all nvme sessions and unload nvme_rdma module first.",
+        ],
+        "storage-blocks-mofed",
+    ),
+    (
+        [
+            "Cannot unload driver while ib_isert is loaded...",
+            "Please close all isert sessions and unload ib_isert module first.",
+        ],
+        "storage-blocks-mofed",
+    ),
+    (["Please close all nvmet sessions and unload 'nvmet_rdma' module."], "storage-blocks-mofed"),
+    (["Please logout from all open-iscsi over iSER sessions"], "storage-blocks-mofed"),
     (
         [  # the Go entrypoint: lower case, no space after the comma
             'ERROR\tentrypoint/entrypoint.go:308\tkernel modules check failed\t{"error": '

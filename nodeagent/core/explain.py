@@ -412,16 +412,25 @@ SIGNATURES: tuple[Signature, ...] = (
     ),
     Signature(
         "storage-modules-loaded",
-        # openibd refusing to stop under a storage module in use
+        # openibd refusing to stop under a storage module in use; OFED 4.0-4.1 said it
+        # unquoted, "... unload nvme_rdma module first.", after "Cannot unload driver
+        # while nvme_rdma is loaded..." (docs/explain-sources.md)
         re.compile(
-            r"Please close all nvmet? sessions and unload '(?P<module>nvmet?_rdma)'"
-            r"|Please close all isert sessions and unload 'ib_isert'"
+            r"Please close all nvmet? sessions and unload '?(?P<module>nvmet?_rdma)\b"
+            r"|Please close all isert sessions and unload '?ib_isert\b"
             r"|Please make sure module '(?P<m2>rpcrdma|xprtrdma|ib_srpt)' is not in use"
             r"|Please logout from all open-iscsi over iSER sessions"
             r"|Please flush multipath devices running over SRP devices"
+            r"|Cannot unload driver while (?P<m3>ib_isert|nvmet?_rdma) is loaded"
         ),
         OPENIBD,
-        ("please close all", "please make sure module", "over iser sessions", "over srp devices"),
+        (
+            "please close all",
+            "please make sure module",
+            "over iser sessions",
+            "over srp devices",
+            "cannot unload driver while",
+        ),
     ),
     Signature(
         "storage-symbol",
@@ -533,6 +542,7 @@ PREFILTER_WORDS = (
     b"unsigned module",
     b"storage modules",
     b"please close all",
+    b"cannot unload driver while",
     b"please make sure module",
     b"over iser sessions",
     b"over srp devices",
