@@ -316,3 +316,50 @@ def test_the_corpus_runner_scores_excerpts_by_their_expect_line(tmp_path: Path) 
     assert p.returncode == 1, p.stderr  # d.log is missed
     assert "XX d.log: expect storage-blocks-mofed, got nothing" in p.stdout
     assert p.stdout.strip().endswith("3 of 4 named right (1 wrong; unclear ones not scored)")
+
+
+def test_a_bundle_1500_levels_deep_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """Issue 56: os.walk recursed into a planted tree until RecursionError (exit 1). Now
+    64 levels are read, one line names where it stopped, the rest of the bundle is read."""
+    top = tmp_path / "must-gather"
+    top.mkdir()
+    (top / "mofed.log").write_text("Storage modules are loaded for current driver\n")
+    # Past PATH_MAX: built one level at a time from a descriptor.
+    fd = os.open(top, os.O_DIRECTORY)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=fd)
+        down = os.open("d", os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = down
+    log = os.open("deep.log", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+    os.write(log, b"Storage modules are loaded for current driver\n")
+    os.close(log)
+    os.close(fd)
+    doc, p = explain(str(top))
+    assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"]
+    assert "Traceback" not in p.stderr
+    (line,) = p.stderr.splitlines()
+    assert line.startswith("nodeagent explain: ") and "more than 64 levels deep" in line
+
+
+def test_a_bundle_s_logs_share_one_decompressed_budget(tmp_path: Path) -> None:
+    """Issue 56: each file was cut at 8 GiB, but many small compressed files together had
+    no bound. With a 1 MiB budget, three logs of 600 KiB each: the first read whole, the
+    second up to the budget, the third not at all; one line says so."""
+    from nodeagent.host.bundle import walk
+
+    top = tmp_path / "bundle"
+    top.mkdir()
+    line = b"2026-11-28T10:00:00Z nothing to see here, a line of ordinary log text\n"
+    for i in range(3):
+        (top / f"n{i}.log.gz").write_bytes(gzip.compress(line * (600 * 1024 // len(line))))
+    fed: dict[str, int] = {}
+
+    def feed(label: str, fh: Any, node: str) -> None:
+        fed[label] = len(fh.read())
+
+    problems: list[str] = []
+    out = walk(str(top), feed, problems, budget=1 << 20)
+    assert out["logs"] == 2 and sum(fed.values()) == 1 << 20
+    (said,) = problems
+    assert said.startswith(f"{top}: 1 MiB decompressed read in 2 logs") and "rest not read" in said

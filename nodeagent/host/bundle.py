@@ -28,6 +28,10 @@ from nodeagent.core.bundle import MAP_FILE_MAX, NodeMap, bundle_kind, is_log, is
 
 MEMBER_MAX = 8 << 30  # what one file gives at most, decompressed (a gzip bomb ends here)
 FILES_MAX = 200_000  # files looked at in one bundle
+# What one bundle gives at most, decompressed, all its logs together: a small bundle of
+# many compressed members each under MEMBER_MAX would otherwise read for hours.
+BUNDLE_MAX = 32 << 30
+DEPTH_MAX = 64  # directory levels read under a bundle's top (must-gathers use ~12)
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2")
 
 Feed = Callable[[str, IO[bytes], str], None]  # (label, stream, node)
@@ -63,8 +67,12 @@ def gunzipped(fh: IO[bytes], name: str) -> IO[bytes]:
     return fh
 
 
-def walk(path: str, feed: Feed, problems: list[str]) -> dict[str, object]:
-    """Feed every log of the bundle at ``path`` (a directory or a tar); what it was."""
+def walk(
+    path: str, feed: Feed, problems: list[str], *, budget: int = BUNDLE_MAX
+) -> dict[str, object]:
+    """Feed every log of the bundle at ``path`` (a directory or a tar); what it was.
+    ``budget``: the decompressed bytes all its logs may give together; once spent, the
+    rest is not read, said in one line with what was."""
     is_dir = os.path.isdir(path)  # the top as named (a link to it followed); nothing inside
     listed = list(_dir_files(path, problems)) if is_dir else []
 
@@ -83,19 +91,29 @@ def walk(path: str, feed: Feed, problems: list[str]) -> dict[str, object]:
             nodes.learn(name, fh.read(MAP_FILE_MAX).decode("utf-8", errors="replace"))
     logs = 0
     seen_nodes: set[str] = set()
+    left = budget
     for name, fh in members():
         if not is_log(name):
             continue
         node = nodes.node_of(name)
-        capped = _Capped(gunzipped(fh, name), MEMBER_MAX)
+        capped = _Capped(gunzipped(fh, name), min(MEMBER_MAX, left))
         label = os.path.join(path, name) if is_dir else f"{path}:{name}"
         try:
             feed(label, io.BufferedReader(capped), node)
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
             problems.append(f"{label}: {exc}; read in part")
-        if capped.cut:
+        left -= min(MEMBER_MAX, left) - capped.left
+        if capped.cut and left > 0:
             problems.append(f"{label}: cut at {MEMBER_MAX >> 30} GiB")
         logs += 1
+        if left <= 0:
+            problems.append(
+                f"{path}: {budget >> 20} MiB decompressed read in {logs} logs, the bundle's "
+                f"budget, up to {label}; the rest not read"
+            )
+            if node:
+                seen_nodes.add(node)
+            break
         if node:
             seen_nodes.add(node)
     if logs == 0:
@@ -104,10 +122,16 @@ def walk(path: str, feed: Feed, problems: list[str]) -> dict[str, object]:
 
 
 def _dir_files(top: str, problems: list[str]) -> Iterator[str]:
-    """Regular files under ``top`` (relative, sorted), no link followed."""
+    """Regular files under ``top`` (relative, sorted), no link followed, at most
+    ``DEPTH_MAX`` levels down (``os.walk`` recurses: a planted tree 1,500 levels deep
+    was a ``RecursionError``)."""
     count = 0
+    base = top.rstrip(os.sep).count(os.sep)
     for here, dirs, files in os.walk(top, followlinks=False):
         dirs.sort()
+        if here.count(os.sep) - base >= DEPTH_MAX and dirs:
+            problems.append(f"{here}: more than {DEPTH_MAX} levels deep; not read below")
+            dirs.clear()
         for f in sorted(files):
             full = os.path.join(here, f)
             try:
