@@ -39,6 +39,10 @@ for platform in "${wanted[@]}"; do
   esac
 done
 
+if [ ${#built[@]} -eq 0 ]; then
+  echo "image.sh: no platform of $platforms can be built here" >&2
+  exit 2
+fi
 version=$(sed -n 's/^appVersion: "\(.*\)"/\1/p' deploy/helm/nodeagent/Chart.yaml)
 name="${push:-localhost/nodeagent}"
 run() {
