@@ -17,6 +17,7 @@ The same flood against the real agent in a real 128 MiB memory cgroup:
 from __future__ import annotations
 
 import contextlib
+import platform
 import socket
 import subprocess
 import sys
@@ -292,6 +293,21 @@ def _switches(tid: int) -> int:
     raise AssertionError("no voluntary_ctxt_switches")
 
 
+# poll, select, epoll_wait, pselect6, ppoll, epoll_pwait, epoll_pwait2, by architecture
+WAIT_SYSCALLS = {
+    "x86_64": {"7", "23", "232", "270", "271", "281", "441"},
+    "aarch64": {"22", "72", "73", "441"},
+}.get(platform.machine(), set())
+
+
+def _waiting_in_selector(tid: int) -> bool:
+    try:
+        first = Path(f"/proc/self/task/{tid}/syscall").read_text().split()[0]
+    except (OSError, IndexError):
+        return False
+    return first in WAIT_SYSCALLS
+
+
 def test_the_server_sleeps_while_nobody_connects_and_wakes_for_a_scrape(
     server: MetricsServer,
 ) -> None:
@@ -301,6 +317,9 @@ def test_the_server_sleeps_while_nobody_connects_and_wakes_for_a_scrape(
     tid = server._thread.native_id
     assert tid is not None
     urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=WAIT).read()
+    # The response read, the thread may still be closing the connection (or waiting for
+    # the GIL: a switch too): counted from when it is back in its selector's wait.
+    until(lambda: _waiting_in_selector(tid), "the server never went back to its wait")
     before = _switches(tid)
     done = threading.Event()
     done.wait(1.5)  # a window to count wakes in: nothing else happens in it
