@@ -433,6 +433,43 @@ class SlowChain(Kernel):
         super().remove(name)
 
 
+class ForcedPass:
+    """Called inside a module operation (the step in flight): forces a pass of the agent
+    and waits until one has run."""
+
+    def __init__(self, why: str) -> None:
+        self.why, self.passes = why, 0
+        self.agent: Agent | None = None
+
+    def attach(self, agent: Agent) -> Agent:
+        """Count ``agent``'s passes (its loop calls ``run_pass``)."""
+        run_pass = agent.run_pass
+
+        def counted(woken_by: Any = ()) -> Any:
+            try:
+                return run_pass(woken_by)
+            finally:
+                self.passes += 1
+
+        agent.run_pass = counted  # type: ignore[method-assign]
+        self.agent = agent
+        return agent
+
+    def __call__(self) -> None:
+        assert self.agent is not None
+        seen = self.passes
+        self.agent.poke.poke(self.why)
+        until(lambda: self.passes > seen, f"no pass ran ({self.why})")
+
+
+def enforcing_agent(root: Path, kernel: Kernel) -> Agent:
+    return Agent(
+        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
+        module_ops=kernel,  # type: ignore[arg-type]
+        kernel_log=lambda m: [],
+    )
+
+
 def chain_node(tmp_path: Path) -> Path:
     """rpcrdma and the chain it pulled in (modules.dep and holders), MOFED pending."""
     root = node(tmp_path)
@@ -461,31 +498,9 @@ def test_a_pass_during_the_removal_never_supersedes_it(tmp_path: Path) -> None:
     and that must not stop the removal it belongs to. Before: ``plan-superseded``, and
     ``iw_cm``, ``ib_cm`` left loaded (the notes of issue 51; issue 55)."""
     root = chain_node(tmp_path)
-    agent_box: list[Agent] = []
-    passes: list[float] = []
-
-    def a_pass_meanwhile() -> None:  # rpcrdma is gone: this pass decides "holding"
-        agent = agent_box[0]
-        seen = len(passes)
-        agent.poke.poke("test: a pass while rdma_cm goes")
-        until(lambda: len(passes) > seen, "no pass ran during the removal")
-
-    kernel = SlowChain(root, "rdma_cm", a_pass_meanwhile)
-    agent = Agent(
-        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
-        module_ops=kernel,  # type: ignore[arg-type]
-        kernel_log=lambda m: [],
-    )
-    agent_box.append(agent)
-    run_pass = agent.run_pass
-
-    def counted(woken_by: Any = ()) -> Any:
-        try:
-            return run_pass(woken_by)
-        finally:
-            passes.append(0.0)
-
-    agent.run_pass = counted  # type: ignore[method-assign]
+    forced = ForcedPass("test: a pass while rdma_cm goes")  # rpcrdma gone: "holding"
+    kernel = SlowChain(root, "rdma_cm", forced)
+    agent = forced.attach(enforcing_agent(root, kernel))
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     try:
@@ -520,30 +535,9 @@ def test_the_load_back_is_decided_once_while_passes_come_during_it(tmp_path: Pat
     hold file, and a pass forced while the load is in flight, decide from a node where
     rpcrdma is not back yet: the load in flight stands, and is made once."""
     root = node(tmp_path)
-    passes: list[int] = []
-    box: list[Agent] = []
-
-    def a_pass_meanwhile() -> None:
-        seen = len(passes)
-        box[0].poke.poke("test: a pass while rpcrdma loads")
-        until(lambda: len(passes) > seen, "no pass ran during the load")
-
-    kernel = Reloads(root, a_pass_meanwhile)
-    agent = Agent(
-        Config(host_root=str(root), mode="enforce", uevents=False, resync_seconds=3600),
-        module_ops=kernel,  # type: ignore[arg-type]
-        kernel_log=lambda m: [],
-    )
-    box.append(agent)
-    run_pass = agent.run_pass
-
-    def counted(woken_by: Any = ()) -> Any:
-        try:
-            return run_pass(woken_by)
-        finally:
-            passes.append(0)
-
-    agent.run_pass = counted  # type: ignore[method-assign]
+    forced = ForcedPass("test: a pass while rpcrdma loads")
+    kernel = Reloads(root, forced)
+    agent = forced.attach(enforcing_agent(root, kernel))
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     try:
