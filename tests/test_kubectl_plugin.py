@@ -1,5 +1,6 @@
-"""scripts/kubectl-nodeagent against a fake kubectl on PATH that records its argv and answers
-with a canned pod list: the exact argv it runs, and names refused before kubectl is called."""
+"""The installed ``kubectl-nodeagent`` (the package's console script) against a fake kubectl on
+PATH that records its argv and answers with a canned pod list: the exact argv it runs, names
+refused before kubectl is called, and ``explain`` run here on a bundle with no kubectl at all."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-PLUGIN = Path(__file__).resolve().parent.parent / "scripts" / "kubectl-nodeagent"
+# Installed next to the interpreter by `pip install` (pyproject's [project.scripts]).
+PLUGIN = Path(sys.executable).parent / "kubectl-nodeagent"
+SEEDS = Path(__file__).resolve().parent.parent.parent / "shared" / "seeds"
 PODS = {
     "items": [
         {"metadata": {"name": "nodeagent-abcde"}, "status": {"phase": "Running"}},
@@ -35,13 +38,24 @@ def plugin(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "ARGV_LOG": str(log)}
     env["PODS"] = json.dumps(PODS)
     result = subprocess.run(
-        [sys.executable, str(PLUGIN), *args], capture_output=True, text=True, env=env, timeout=60
+        [str(PLUGIN), *args], capture_output=True, text=True, env=env, timeout=60
     )
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return result, calls
 
 
-@pytest.mark.parametrize("command", ["status", "timeline", "explain"])
+def test_it_is_installed_with_the_package() -> None:
+    assert PLUGIN.is_file() and os.access(PLUGIN, os.X_OK), f"{PLUGIN} (pip install -e .)"
+
+
+def test_help_names_every_command(tmp_path: Path) -> None:
+    result, calls = plugin(tmp_path, "--help")
+    assert result.returncode == 0
+    assert all(c in result.stdout for c in ("status", "timeline", "explain BUNDLE"))
+    assert calls == []
+
+
+@pytest.mark.parametrize("command", ["status", "timeline"])
 def test_it_execs_the_agents_cli_in_the_pod_on_the_node(tmp_path: Path, command: str) -> None:
     result, calls = plugin(tmp_path, command, "gpu-node-7.example")
     assert result.returncode == 0, result.stderr
@@ -76,6 +90,7 @@ def test_the_namespace_and_extra_arguments_are_passed_as_argv(tmp_path: Path) ->
         ["status", "x" * 254],
         ["status", "n1", "-n", "a.b"],
         ["logs", "n1"],
+        ["timeline", "n1", "n2"],
         ["status"],
     ],
 )
@@ -83,3 +98,15 @@ def test_bad_names_are_refused_before_kubectl_is_called(tmp_path: Path, args: li
     result, calls = plugin(tmp_path, *args)
     assert result.returncode == 2
     assert calls == []
+
+
+def test_explain_reads_a_bundle_here_with_no_kubectl(tmp_path: Path) -> None:
+    """A must-gather saved on a laptop: the driver pod's log names the race, no cluster."""
+    from tests.test_explain_bundles import by_node, gpu_must_gather, tar, write
+
+    bundle = tar(write(tmp_path / "must-gather", gpu_must_gather()), tmp_path / "mg.tar.gz")
+    result, calls = plugin(tmp_path, "explain", str(bundle), "--", "--json")
+    assert result.returncode == 0, result.stderr
+    assert calls == []
+    doc = json.loads(result.stdout)
+    assert by_node(doc) == {"gpu-1": ["peermem-load-race"], "gpu-2": ["peermem-abi-mismatch"]}

@@ -1,8 +1,12 @@
-#!/usr/bin/env python3
-"""kubectl plugin: put this file on PATH, then
-  kubectl nodeagent status|timeline|explain NODE [-n NAMESPACE] [-- ARGS...]
+"""``kubectl nodeagent``: the executable ``kubectl-nodeagent`` the package installs (a kubectl
+plugin once on PATH, e.g. ``pip install`` of this repository).
+
+  kubectl nodeagent status|timeline NODE [-n NAMESPACE] [-- ARGS...]
 finds the agent's pod on NODE (label app.kubernetes.io/name=nodeagent, fieldSelector
-spec.nodeName=NODE) and runs the agent's own CLI in it. No shell: each command is an argv."""
+spec.nodeName=NODE) and runs the agent's own CLI in it;
+  kubectl nodeagent explain BUNDLE... [-- ARGS...]
+runs ``nodeagent explain`` here, on a must-gather, a sosreport or logs: a bundle is read
+where it was saved, no cluster needed. No shell: each command is an argv."""
 
 from __future__ import annotations
 
@@ -12,10 +16,13 @@ import re
 import subprocess
 import sys
 
-COMMANDS = ("status", "timeline", "explain")
+COMMANDS = ("status", "timeline")
 # A node's name is a DNS-1123 subdomain.
 DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-USAGE = "usage: kubectl nodeagent status|timeline|explain NODE [-n NAMESPACE] [-- ARGS...]"
+USAGE = (
+    "usage: kubectl nodeagent status|timeline NODE [-n NAMESPACE] [-- ARGS...]\n"
+    "       kubectl nodeagent explain BUNDLE... [-- ARGS...]"
+)
 
 
 def fail(message: str) -> int:
@@ -23,7 +30,16 @@ def fail(message: str) -> int:
     return 2
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if argv[:1] == ["explain"]:
+        # Offline: the agent's own explain, in this process (no kubectl, no node).
+        from nodeagent.cli import main as nodeagent_main
+
+        return nodeagent_main([a for a in argv if a != "--"])
     extra: list[str] = []
     if "--" in argv:
         extra = argv[argv.index("--") + 1 :]
@@ -64,4 +80,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
