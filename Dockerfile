@@ -30,6 +30,16 @@ COPY nodeagent ./nodeagent
 RUN --mount=type=secret,id=pip-ca,required=false \
     sh scripts/install-venv.sh app /src /opt/nodeagent
 
+# The SBOM of the image's Python environment (CycloneDX JSON), made by cyclonedx-bom from
+# the very venv the image ships, in a stage the image never contains. scripts/image.sh:
+#   buildah build --target sbom --output type=local,dest=DIR .    # DIR/sbom.cdx.json
+# (a plain build skips both stages: they do not affect the final one).
+FROM build AS sbom-build
+RUN --mount=type=secret,id=pip-ca,required=false \
+    sh scripts/install-venv.sh sbom /src /opt/nodeagent /sbom.cdx.json
+FROM scratch AS sbom
+COPY --from=sbom-build /sbom.cdx.json /
+
 FROM ${BASE_IMAGE}
 ARG VERSION=0.1.0
 ARG REVISION=unknown

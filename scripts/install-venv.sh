@@ -3,6 +3,7 @@
 #
 #   sh scripts/install-venv.sh deps SRC_DIR VENV_DIR   # a venv with pyproject.toml's dependencies
 #   sh scripts/install-venv.sh app  SRC_DIR VENV_DIR   # nodeagent itself, then pip out, bytecode in
+#   sh scripts/install-venv.sh sbom SRC_DIR VENV_DIR OUT  # VENV_DIR's CycloneDX SBOM into OUT
 #
 # PYTHON: the interpreter that makes the venv (default python3). tests/test_image.py
 # runs both steps on the checkout too, and builds the Dockerfile with them.
@@ -33,8 +34,20 @@ app)
   rm -f "$venv/requirements.txt"
   "$venv/bin/python" -m compileall -q -j 0 --invalidation-mode unchecked-hash "$venv/lib"
   ;;
+sbom)
+  # cyclonedx-bom in a venv of its own (never in VENV_DIR): it reads VENV_DIR's installed
+  # distributions by running VENV_DIR's interpreter; nodeagent itself is the root component.
+  out=$4
+  tool=$(mktemp -d)
+  "$python" -m venv "$tool"
+  "$tool/bin/python" -m pip install --no-cache-dir --quiet --only-binary=:all: \
+    'cyclonedx-bom>=7.5,<8'
+  "$tool/bin/cyclonedx-py" environment --pyproject "$src/pyproject.toml" \
+    --output-reproducible --output-format JSON -o "$out" "$venv"
+  rm -rf "$tool"
+  ;;
 *)
-  echo "usage: install-venv.sh deps|app SRC_DIR VENV_DIR" >&2
+  echo "usage: install-venv.sh deps|app SRC_DIR VENV_DIR | sbom SRC_DIR VENV_DIR OUT" >&2
   exit 2
   ;;
 esac

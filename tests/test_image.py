@@ -54,7 +54,8 @@ def test_dockerfile_is_hadolint_clean() -> None:
 def test_dockerfile_shape() -> None:
     text = DOCKERFILE.read_text()
     stages = re.findall(r"^FROM\s+(\S+)", text, re.M)
-    assert stages == ["${BASE_IMAGE}", "${BASE_IMAGE}"], "multi-stage, one base"
+    # build, the SBOM's two stages (scripts/image.sh's --target sbom), the image: one base
+    assert stages == ["${BASE_IMAGE}", "build", "scratch", "${BASE_IMAGE}"], stages
     assert re.search(r"^ARG BASE_IMAGE=debian:bookworm-slim$", text, re.M)
     build_stage, final = text[: text.rindex("\nFROM ")], text[text.rindex("\nFROM ") :]
     # The dependencies' layer comes before the source: a source change rebuilds one step.
