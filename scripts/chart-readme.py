@@ -4,6 +4,10 @@ default and the comment lines above it) and values.schema.json (its type).
 
   scripts/chart-readme.py          rewrite the table between the markers
   scripts/chart-readme.py --check  exit 1 naming the README when the table is stale
+
+Every key must say what it is: a key with no comment of its own (above it or inline) is
+named, and both modes exit 1. A key's value that spans lines (a list, a map written out) is
+one row: the lines inside it are not keys of the chart.
 """
 
 from __future__ import annotations
@@ -32,13 +36,20 @@ def schema_type(schema: dict[str, Any], path: list[str]) -> str:
     return kind if isinstance(kind, str) else " \\| ".join(kind)
 
 
-def rows(values_text: str, schema: dict[str, Any]) -> list[str]:
+def rows(values_text: str, schema: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The table's rows, and the keys that say nothing."""
     values = yaml.safe_load(values_text)
     stack: list[tuple[int, str]] = []
     comments: list[str] = []
     out = []
+    undescribed = []
+    inside: int | None = None  # the indent of a leaf whose value goes on below it
     for line in values_text.splitlines():
         stripped = line.strip()
+        if inside is not None:
+            if not stripped or len(line) - len(line.lstrip(" ")) > inside or stripped[0] == "-":
+                continue
+            inside = None
         if stripped.startswith("#"):
             comments.append(stripped.lstrip("#").strip())
             continue
@@ -62,20 +73,25 @@ def rows(values_text: str, schema: dict[str, Any]) -> list[str]:
             out.append(
                 f"| `{'.'.join(path)}` | {schema_type(schema, path)} | `{default}` | {text} |"
             )
+            if not text:
+                undescribed.append(".".join(path))
+            inside = indent
         comments = []
-    return out
+    return out, undescribed
 
 
-def table() -> str:
+def table() -> tuple[str, list[str]]:
     schema = json.loads((CHART / "values.schema.json").read_text())
     lines = ["| Key | Type | Default | Description |", "|---|---|---|---|"]
-    return "\n".join(lines + rows((CHART / "values.yaml").read_text(), schema))
+    body, undescribed = rows((CHART / "values.yaml").read_text(), schema)
+    return "\n".join(lines + body), undescribed
 
 
-def regenerated(readme: str) -> str:
+def regenerated(readme: str) -> tuple[str, list[str]]:
     head, _, rest = readme.partition(BEGIN)
     _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    text, undescribed = table()
+    return f"{head}{BEGIN}\n{text}\n{END}{tail}", undescribed
 
 
 def main(argv: list[str]) -> int:
@@ -84,7 +100,9 @@ def main(argv: list[str]) -> int:
     if BEGIN not in readme or END not in readme:
         print(f"{readme_path}: the values-table markers are missing", file=sys.stderr)
         return 1
-    new = regenerated(readme)
+    new, undescribed = regenerated(readme)
+    for key in undescribed:
+        print(f"{CHART / 'values.yaml'}: {key} has no comment saying what it is", file=sys.stderr)
     if argv[1:] == ["--check"]:
         if new != readme:
             print(
@@ -92,9 +110,9 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 1
-        return 0
+        return 1 if undescribed else 0
     readme_path.write_text(new)
-    return 0
+    return 1 if undescribed else 0
 
 
 if __name__ == "__main__":

@@ -30,9 +30,27 @@ def test_a_changed_values_yaml_makes_the_table_stale() -> None:
     changed = values.replace("resyncSeconds: 30", "resyncSeconds: 45")
     assert changed != values
     schema = readme_script["json"].loads((CHART / "values.schema.json").read_text())
-    rows = readme_script["rows"](changed, schema)
-    assert "| `agent.resyncSeconds` | number | `45` |  |" in rows
+    rows, undescribed = readme_script["rows"](changed, schema)
+    assert "| `agent.resyncSeconds` | number | `45` |" in "\n".join(rows)
     assert not all(row in readme for row in rows)
+    assert undescribed == []
+
+
+def test_a_key_that_says_nothing_is_named() -> None:
+    values = "image:\n  # where it is\n  registry: q.io\n  tag: v1\nports: [1, 2]  # the ports\n"
+    rows, undescribed = readme_script["rows"](values, {})
+    assert undescribed == ["image.tag"]
+    assert [r.split("|")[1].strip() for r in rows] == ["`image.registry`", "`image.tag`", "`ports`"]
+
+
+def test_a_list_written_out_is_one_row_not_keys_of_the_chart() -> None:
+    values = (
+        "# who may run\ntolerations:\n  - key: a\n    operator: Exists\n  - key: b\n"
+        "    effect: NoSchedule\nafter: 1  # the next key\n"
+    )
+    rows, undescribed = readme_script["rows"](values, {})
+    assert [r.split("|")[1].strip() for r in rows] == ["`tolerations`", "`after`"]
+    assert undescribed == []
 
 
 def test_every_leaf_value_is_in_the_table() -> None:
