@@ -62,6 +62,31 @@ def test_garbage_sysfs_values_become_named_problems(root: Path) -> None:
     assert "ib_core is not live (initstate unreadable)" in verdict.verdicts["peermem"].reasons
 
 
+def test_a_module_unloaded_while_it_is_read_is_not_loaded_not_unreadable(root: Path) -> None:
+    """Its directory goes between two reads (the kernel's unload ends mid-pass): it is
+    gone, not "refcnt unreadable", which the storage guard takes for a possible user and
+    answers by stopping the very removal that unloaded it (issue 55's flake). A module
+    whose refcnt is missing while it stays is read as it is."""
+    import shutil
+
+    gone = sysmod(root, "rpcrdma", initstate="live", refcnt="0")
+    sysmod(root, "ib_cm", initstate="live")  # no refcnt, and it stays
+    host = HostRoot(root)
+    read_text = host.read_text
+
+    def unload_after_initstate(rel: str, limit: int = 4096) -> str:
+        text = read_text(rel, limit)
+        if rel.endswith("rpcrdma/initstate") and gone.exists():
+            shutil.rmtree(gone)
+        return text
+
+    host.read_text = unload_after_initstate  # type: ignore[method-assign]
+    observer = Observer(host, Config(host_root=str(root)))
+    assert observer.read_loaded_module("rpcrdma") is None
+    stays = observer.read_loaded_module("ib_cm")
+    assert stays is not None and stays.refcnt is None and stays.initstate == "live"
+
+
 def test_truncated_build_id_note_is_a_problem_not_a_crash(root: Path) -> None:
     sysmod(root, "mlx5_core", initstate="live", refcnt="0", note=note()[:17])
     good = sysmod(root, "mlx5_ib", initstate="live", refcnt="0", note=note())

@@ -111,6 +111,25 @@ def test_the_same_decision_again_does_not_restart_the_plan() -> None:
     assert steps.started == ["a", "b"] and not done.superseded
 
 
+def test_what_an_ended_plan_did_is_not_started_again_before_its_end_is_taken() -> None:
+    """A pass began before the load-back ended and saw the module not there yet: its
+    decision (the load again) starts nothing; once the end is taken, the same decision is
+    a new attempt (issue 55: the load-back decided twice)."""
+    steps = Steps()
+    w = workers(steps)
+    load = LoadModule("storage", "rpcrdma", ("lib/modules",), "test")
+    w.submit({"storage": Plan("storage", (unload("storage", "hold"), load))})
+    assert w.wait_idle(WAIT)
+    w.submit({"storage": Plan("storage", (load,))})  # decided before the end was taken
+    assert w.wait_idle(WAIT)
+    assert steps.started == ["hold", "rpcrdma"]
+    (done,) = w.take_finished()
+    assert not done.superseded and not done.not_done
+    w.submit({"storage": Plan("storage", (load,))})  # a pass that took the end
+    (again,) = finished_of(w)
+    assert steps.started == ["hold", "rpcrdma", "rpcrdma"] and again.outcomes[0].ok
+
+
 def test_a_new_decision_supersedes_at_the_next_safe_point() -> None:
     steps = Steps("a")
     w = workers(steps)

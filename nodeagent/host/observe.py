@@ -195,6 +195,11 @@ class Observer:
             for h in self.host.listing(f"{d}/holders", problems)
             if is_module_name(h)
         )
+        if (raw_ref is None or problems) and self._gone(d):
+            # Unloaded while it was read (its directory went after initstate was read): not
+            # loaded, not "refcnt unreadable", which a guard takes for a possible user and
+            # would stop the very removal that unloaded it.
+            return None
         return LoadedModule(
             name=normalize_module_name(name),
             initstate=initstate,
@@ -204,6 +209,15 @@ class Observer:
             holders=holders,
             problems=tuple(problems),
         )
+
+    def _gone(self, d: str) -> bool:
+        try:
+            self.host.read_text(f"{d}/initstate", 4096)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def _attr(self, d: str, attr: str, problems: list[str]) -> str | None:
         try:

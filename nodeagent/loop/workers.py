@@ -13,6 +13,9 @@ per guard). Every rule about running a plan is here:
   The superseded run is handed back with what it did and did not do. An empty
   decision that **lets it finish** (``Plan.lets_finish``: its premise still
   holds) supersedes nothing.
+- Steps all of a plan that **ended but whose end no pass has taken** start
+  nothing: the pass deciding them began before that end, and may have seen the
+  node before the steps took effect. The end wakes a pass, which decides again.
 - An **urgent** plan (a protective action: unloading an idle ``nvidia_peermem``
   when a MOFED restart begins) starts at once on a lane of its own, never
   behind a step in flight.
@@ -264,6 +267,11 @@ class GuardWorker:
                 return
             if plan.lets_finish and (self._current is not None or self._queued is not None):
                 return  # nothing new, and what runs still stands
+            if self._current is None and self._queued is None and self._ended_with(plan.steps):
+                # Decided by a pass that had not taken this plan's end (it began before):
+                # its snapshot may predate the steps' effect (a module half-made in sysfs:
+                # the load-back decided twice). The pass the end wakes decides again.
+                return
             self._wanted = plan.steps
             if self._current is not None:
                 self._current.superseded = True
@@ -277,6 +285,10 @@ class GuardWorker:
                 self._queued = _Run(plan, decided_at)
             self._ensure_thread()
             self._cv.notify_all()
+
+    def _ended_with(self, steps: tuple[Action, ...]) -> bool:
+        """Under the lock: a plan that did ``steps`` (all of them) ended, not yet taken."""
+        return bool(steps) and any(set(steps) <= set(f.plan.steps) for f in self._finished)
 
     def take_finished(self) -> list[FinishedPlan]:
         with self._cv:
