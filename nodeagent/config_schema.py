@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.config import MODES, LabelsConfig, NpdConfig
+from nodeagent.core import applicability, peermem, sriov, storage
 from nodeagent.core import fields as policy_fields
-from nodeagent.core import peermem, sriov, storage
 from nodeagent.core.paths import HostPaths
 from nodeagent.guards.registry import GUARDS
 
@@ -36,6 +36,7 @@ _FIXED: dict[Callable[..., Any], Schema] = {
     },
     policy_fields.params: STRINGS,
     policy_fields.paths: STRINGS,
+    applicability.parse_enabled: {"enum": ["auto", True, False]},
 }
 # Each guard's [<guard>] table (guards/registry.py names the guards).
 POLICY_TABLES: dict[str, Sequence[policy_fields.Setting]] = {

@@ -408,3 +408,36 @@ def test_the_load_alert_fires_on_a_modules_first_failed_load(promtool: str, tmp_
         ),
     ]
     _assert_alerts(promtool, tmp_path, series, checks)
+
+
+def test_no_alert_fires_on_a_guard_that_does_not_apply_and_the_real_case_still_does(
+    promtool: str, tmp_path: Path
+) -> None:
+    """Issue 54: a NIC-only node (peermem and sriov ``not-applicable``, MOFED ready) and a
+    node whose guards are turned off (``disabled``), as the exporter shows them (ok 1, the
+    state series of the shared word), for 30 minutes: every guard alert stays quiet there,
+    while gpu-1's gate, closed with MOFED ready, fires as before."""
+    ok, ready, state = (
+        "nodeagent_guard_ok",
+        "nodeagent_peermem_mofed_ready",
+        "nodeagent_guard_state",
+    )
+    series = [
+        _series(ok, "1 1 0x60", "gpu-1", guard="peermem"),
+        _series(ready, "1x62", "gpu-1"),
+    ]
+    for node, word in (("gpu-7", "not-applicable"), ("gpu-8", "disabled")):
+        for g in ("peermem", "storage", "sriov"):
+            series.append(_series(ok, "1x62", node, guard=g))
+            series.append(_series(state, "1x62", node, guard=g, state=word))
+        series.append(_series(ready, "1x62", node))
+        series.append(_series(REBUILD, "0x62", node))
+    name = "NodeagentPeermemGateHeldWhileMofedReady"
+    summary = "nvidia_peermem gate closed for 10m on gpu-1 although MOFED is ready"
+    fired = _firing(name, "warning", summary, "gpu-1", guard="peermem")
+    others = sorted(TESTED - {name})
+    checks = [
+        _at("30m10s", name, fired),
+        *(_at(t, a) for a in others for t in ("10m10s", "30m10s")),
+    ]
+    _assert_alerts(promtool, tmp_path, series, checks)

@@ -32,6 +32,7 @@ POLICIES: list[
 # A value other than the default for every key (a new row needs one here).
 NOT_DEFAULT: dict[str, dict[str, Any]] = {
     "peermem": {
+        "enabled": False,
         "mofed": "host",
         "load_params": ["peerdirect_support=0"],
         "retry_base_seconds": 1,
@@ -44,6 +45,8 @@ NOT_DEFAULT: dict[str, dict[str, Any]] = {
         "hold_scan_seconds": 0.5,
     },
     "storage": {
+        "enabled": True,
+        "mofed": "none",
         "policy": "unload",
         "modules": ["rpcrdma"],
         "reload": False,
@@ -53,6 +56,7 @@ NOT_DEFAULT: dict[str, dict[str, Any]] = {
         "retry_max_seconds": 60,
     },
     "sriov": {
+        "enabled": False,
         "numvfs_owner": "mofed",
         "mofed": "host",
         "mofed_drivers": ["ice"],

@@ -250,7 +250,7 @@ def test_the_toggles_do_what_they_say() -> None:
     )
     assert one(render(TOGGLES["extraObjects"]), "ConfigMap", "x")["data"] == {}
     extra = {"agent": {"extraConfig": {"storage": {"policy": "unload"}}}}
-    assert agent_toml(render(extra))["storage"] == {"policy": "unload"}
+    assert agent_toml(render(extra))["storage"] == {"enabled": "auto", "policy": "unload"}
 
 
 BAD_VALUES: list[tuple[dict[str, Any], str]] = [

@@ -29,6 +29,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from nodeagent.core.applicability import WORDS as SHELVED
 from nodeagent.core.guard import Verdict
 
 MESSAGE_MAX = 80  # NPD's default max_output_length
@@ -59,7 +60,7 @@ def one_line(text: str, limit: int = MESSAGE_MAX) -> str:
 
 
 def condition_message(v: Verdict) -> str:
-    if v.ok:
+    if v.ok and not (v.verdict in SHELVED and v.reasons):
         return one_line(f"{v.guard} {v.verdict}")
     why = v.reasons[0] if v.reasons else "not ok"
     return one_line(f"{v.guard} {v.verdict}: {why}")

@@ -8,11 +8,16 @@ name under a DNS-subdomain prefix, ``kubernetes.io`` denied except
 ``feature.node.kubernetes.io``; the value a label value of at most 63
 characters). The set here is small and stable, one line per fact:
 
-- ``nodeagent-peermem-gate``  ``open`` | ``closed``: the gate RDMA workloads wait on;
+- ``nodeagent-peermem-gate``  ``open`` | ``closed`` | ``n-a``: the gate RDMA workloads wait
+                              on (``n-a``: not applicable here, or turned off);
 - ``nodeagent-<guard>-ok``    ``true`` | ``false``: each guard's ``ok``;
 - ``nodeagent-gpudirect``     ``dmabuf`` | ``peermem`` | ``unknown``: which GPUDirect
                               RDMA path the node can take (core/gpudirect.py);
-- ``nodeagent-vfs-restored``  ``true`` | ``false``: every SR-IOV PF stable or restored.
+- ``nodeagent-vfs-restored``  ``true`` | ``false`` | ``n-a``: every SR-IOV PF stable or
+                              restored (``n-a``: no PF here, or turned off).
+
+A guard that does not apply (core/applicability.py) is ``ok``: its ``-ok`` label
+is ``true``, as nothing there is wrong.
 
 Each file carries ``# +expiry-time=``: an agent killed without its clean stop
 leaves labels that NFD drops at its first re-discovery past that time, so a
@@ -24,6 +29,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from nodeagent.core.applicability import WORDS as SHELVED
 from nodeagent.core.guard import Verdict
 from nodeagent.errors import NodeagentError
 
@@ -62,6 +68,13 @@ def label_value(text: str) -> str:
     return value or "unknown"
 
 
+NA = "n-a"  # a guard not applicable on this node, or turned off
+
+
+def _shelved(v: Verdict) -> bool:
+    return v.verdict in SHELVED
+
+
 def _gpudirect(verdicts: Mapping[str, Verdict]) -> str:
     peermem = verdicts.get("peermem")
     gd = peermem.evidence.get("gpudirect") if peermem is not None else None
@@ -75,13 +88,15 @@ def node_labels(verdicts: Mapping[str, Verdict], prefix: str) -> dict[str, str]:
     """The label set, key -> value, for these verdicts."""
     labels: dict[str, str] = {}
     if "peermem" in verdicts:
-        labels["nodeagent-peermem-gate"] = "open" if verdicts["peermem"].ok else "closed"
+        gate = "open" if verdicts["peermem"].ok else "closed"
+        labels["nodeagent-peermem-gate"] = NA if _shelved(verdicts["peermem"]) else gate
         labels["nodeagent-gpudirect"] = _gpudirect(verdicts)
     for guard, verdict in verdicts.items():
         labels[f"nodeagent-{label_value(guard)}-ok"] = "true" if verdict.ok else "false"
     if "sriov" in verdicts:
         restored = verdicts["sriov"].verdict in ("stable", "restored")
-        labels["nodeagent-vfs-restored"] = "true" if restored else "false"
+        vfs = "true" if restored else "false"
+        labels["nodeagent-vfs-restored"] = NA if _shelved(verdicts["sriov"]) else vfs
     out = {}
     for name, value in sorted(labels.items()):
         if not _NAME.fullmatch(name):  # a guard name that is no label name: left out

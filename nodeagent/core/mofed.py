@@ -21,8 +21,9 @@ from typing import Literal
 
 from nodeagent.core.snapshot import FileFact, FileId, NodeSnapshot
 
-MofedMode = Literal["container", "host"]
-MOFED_MODES: tuple[MofedMode, ...] = ("container", "host")
+# "none": the node runs no MOFED (inbox RDMA, or no RDMA): peermem and storage do not apply.
+MofedMode = Literal["container", "host", "none"]
+MOFED_MODES: tuple[MofedMode, ...] = ("container", "host", "none")
 
 
 @dataclass(frozen=True)

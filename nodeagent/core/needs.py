@@ -54,6 +54,7 @@ class Needs:
     mounts: bool = False  # /proc/1/mountinfo
     nvme: bool = False  # NVMe controllers (/sys/class/nvme) and NVMe-oF target ports (configfs)
     sriov: bool = False  # SR-IOV PFs and their VFs, through netlink
+    pci: bool = False  # every PCI function's vendor and class (what the node has)
 
     @staticmethod
     def union(all_needs: Iterable[Needs]) -> Needs:
@@ -77,6 +78,7 @@ class Needs:
                 mounts=out.mounts or n.mounts,
                 nvme=out.nvme or n.nvme,
                 sriov=out.sriov or n.sriov,
+                pci=out.pci or n.pci,
             )
         return Needs(
             modules=out.modules,
@@ -93,6 +95,7 @@ class Needs:
             mounts=out.mounts,
             nvme=out.nvme,
             sriov=out.sriov,
+            pci=out.pci,
         )
 
     def watch_dirs(self) -> list[str]:

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nodeagent.core import fields
+from nodeagent.core import applicability, fields
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.gpudirect import classify
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay, is_count
@@ -59,6 +59,7 @@ RDMA_STACK: tuple[str, ...] = ("mlx5_core", "mlx5_ib", "ib_core", "ib_uverbs")
 
 @dataclass(frozen=True)
 class PeermemPolicy:
+    enabled: applicability.Enabled = "auto"
     mofed: MofedMode = "container"
     rdma_stack: tuple[str, ...] = RDMA_STACK
     load_params: tuple[str, ...] = ()
@@ -91,6 +92,7 @@ def _container_rules(where: str, value: Any) -> tuple[str, ...]:
 
 # [peermem]: one row a policy field, in the order they are checked.
 POLICY_FIELDS: tuple[fields.Setting, ...] = (
+    fields.Setting("enabled", "enabled", applicability.parse_enabled),
     fields.Setting("mofed", "mofed", fields.one_of(MOFED_MODES)),
     fields.Setting("load_params", "load_params", fields.params),
     fields.Setting("retry_base_seconds", "retry_base_s", fields.number(0.01, 3600)),
@@ -191,7 +193,32 @@ class PeermemGate:
             present_if_odd=frozenset({self.mofed.blacklist}),
             listings=frozenset({paths.validations, paths.memory_peers}),
             texts=frozenset({paths.nvidia_version}),
+            pci=self.policy.enabled == "auto",
         )
+
+    def not_applicable(self, snap: NodeSnapshot, memory: PeermemMemory) -> str | None:
+        """Why the gate has nothing to guard here, from what the node has (not what is
+        loaded: a GPU whose driver is not loaded yet is a GPU); None: it applies."""
+        if self.policy.mofed == "none":
+            return (
+                'no MOFED on this node ([peermem] mofed = "none"): nvidia_peermem needs '
+                "MOFED's peer-memory API; GPUDirect RDMA here goes through DMA-BUF or not at all"
+            )
+        gpus = applicability.devices(snap, applicability.NVIDIA_VENDOR, applicability.DISPLAY_CLASS)
+        if gpus == []:
+            return (
+                "no NVIDIA GPU on this node (no PCI display device of vendor 0x10de): "
+                "nvidia_peermem has nothing to serve"
+            )
+        nics = applicability.devices(
+            snap, applicability.MELLANOX_VENDOR, applicability.NETWORK_CLASS
+        )
+        if nics == []:
+            return (
+                "no RDMA NIC on this node (no PCI network device of vendor 0x15b3, "
+                "ConnectX/BlueField): GPUDirect RDMA cannot happen, nvidia_peermem is never needed"
+            )
+        return None
 
     # -- telemetry ------------------------------------------------------------
 

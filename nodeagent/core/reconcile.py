@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nodeagent.core import applicability
 from nodeagent.core.actions import Action, ActionOutcome, Plan
 from nodeagent.core.guard import Guard, Verdict
 from nodeagent.core.needs import Needs
@@ -47,7 +48,8 @@ class Reconciler:
         return tuple(name for name, g in self.guards.items() if g.gate)
 
     def needs(self) -> Needs:
-        return Needs.union(g.needs() for g in self.guards.values())
+        """What the guards need observed; a guard turned off needs nothing."""
+        return Needs.union(g.needs() for g in self.guards.values() if applicability.observed(g))
 
     def initial_memory(self) -> AgentMemory:
         return {name: g.initial_memory() for name, g in self.guards.items()}
@@ -62,7 +64,8 @@ class Reconciler:
             mem = memory.get(name)
             if mem is None:
                 mem = guard.initial_memory()
-            d = guard.decide(snap, mem)
+            # A guard turned off, or with nothing to guard here, does not decide.
+            d = applicability.decision(guard, snap, mem) or guard.decide(snap, mem)
             verdicts[name] = d.verdict
             if d.actions or d.lets_finish:  # an empty plan that lets the running one finish
                 plans[name] = d.plan

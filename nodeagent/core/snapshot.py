@@ -132,6 +132,14 @@ class NvmetPort:
 
 
 @dataclass(frozen=True)
+class PciDevice:
+    """One PCI function's IDs (``sys/bus/pci/devices/<address>``); None: unreadable."""
+
+    vendor: int | None
+    pci_class: int | None  # 24 bits: class, subclass, programming interface
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     now: float  # seconds; wall clock of the observation (guards never read a clock)
     kernel: str
@@ -150,6 +158,9 @@ class NodeSnapshot:
     # Also in ``problems``.
     read_problems: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)
     sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (nodeagent.host.sriov)
+    # PCI functions by address, when a guard needs them (core/applicability.py); None: not
+    # read, or the bus listing was unreadable (then no device is known absent).
+    pci: Mapping[str, PciDevice] | None = None
 
     def module(self, name: str) -> LoadedModule | None:
         return self.modules.get(name)

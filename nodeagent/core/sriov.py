@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from nodeagent.core import fields
+from nodeagent.core import applicability, fields
 from nodeagent.core.actions import Action, ActionOutcome, RestoreVf, SetNumVfs
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
 from nodeagent.core.mofed import MOFED_MODES, MofedMarkers, MofedMode
@@ -73,6 +73,7 @@ ZERO_MAC = "00:00:00:00:00:00"
 
 @dataclass(frozen=True)
 class SriovPolicy:
+    enabled: applicability.Enabled = "auto"
     numvfs_owner: str = "agent"  # who sets sriov_numvfs back: agent | sriov-operator | mofed
     numvfs_grace_s: float = 30.0  # PF back -> the agent sets numvfs if nobody else did
     vf_deadline_s: float = 300.0  # PF back -> a VF not restored by then is reported
@@ -87,6 +88,7 @@ class SriovPolicy:
 
 # [sriov]: one row a policy field, in the order they are checked.
 POLICY_FIELDS: tuple[fields.Setting, ...] = (
+    fields.Setting("enabled", "enabled", applicability.parse_enabled),
     fields.Setting("numvfs_owner", "numvfs_owner", fields.one_of(NUMVFS_OWNERS)),
     fields.Setting("mofed", "mofed", fields.one_of(MOFED_MODES)),
     fields.Setting("mofed_drivers", "mofed_drivers", fields.modules),
@@ -661,6 +663,16 @@ class SriovGuard:
 
     def initial_memory(self) -> SriovMemory:
         return SriovMemory()
+
+    def not_applicable(self, snap: NodeSnapshot, memory: SriovMemory) -> str | None:
+        """No PF that can have VFs, and nothing guarded or saved; None: it applies (also
+        when the PCI bus could not be read)."""
+        obs = snap.sriov
+        if memory.pfs or obs.persisted.pfs or obs.blind or obs.problems:
+            return None
+        if any(pf.totalvfs is None or pf.totalvfs > 0 for pf in obs.pfs.values()):
+            return None
+        return "no SR-IOV PF on this node (no PCI device with sriov_totalvfs > 0): no VF to restore"
 
     def metric_samples(self, verdict: Verdict, outcomes: Sequence[ActionOutcome]) -> list[Sample]:
         pfs = verdict.evidence.get("pfs") or {}

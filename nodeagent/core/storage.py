@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from nodeagent.core import fields
+from nodeagent.core import applicability, fields
 from nodeagent.core import policy as cfgval
 from nodeagent.core.actions import (
     Action,
@@ -48,7 +48,7 @@ from nodeagent.core.actions import (
 from nodeagent.core.guard import GuardDecision, Verdict, backoff_delay
 from nodeagent.core.identity import module_evidence
 from nodeagent.core.modgraph import RemovalBlocked, holders_closure, removal_order
-from nodeagent.core.mofed import pending_signals, unreadable_markers
+from nodeagent.core.mofed import MOFED_MODES, MofedMode, pending_signals, unreadable_markers
 from nodeagent.core.needs import HOST_TREE, Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import LoadedModule, NodeSnapshot, NvmeController, NvmetPort
@@ -88,6 +88,8 @@ POLICIES: tuple[StoragePolicyName, ...] = ("unload", "hold", "off")
 
 @dataclass(frozen=True)
 class StoragePolicy:
+    enabled: applicability.Enabled = "auto"
+    mofed: MofedMode = "container"  # "none": no MOFED on the node, nothing to guard
     policy: StoragePolicyName = "hold"
     modules: tuple[str, ...] = STORAGE_MODULES
     reload: bool = True
@@ -131,6 +133,8 @@ def _hold_file(where: str, value: Any) -> str:
 
 # [storage]: one row a policy field, in the order they are checked.
 POLICY_FIELDS: tuple[fields.Setting, ...] = (
+    fields.Setting("enabled", "enabled", applicability.parse_enabled),
+    fields.Setting("mofed", "mofed", fields.one_of(MOFED_MODES)),
     fields.Setting("policy", "policy", fields.one_of(POLICIES)),
     fields.Setting("modules", "modules", fields.modules),
     fields.Setting("reload", "reload", fields.flag),
@@ -227,7 +231,33 @@ class StorageGuard:
             locks=True,
             mounts=True,
             nvme=True,
+            pci=self.policy.enabled == "auto",
         )
+
+    def not_applicable(self, snap: NodeSnapshot, memory: StorageMemory) -> str | None:
+        """Why nothing here can refuse to install over the storage modules; None: it
+        applies (always while it owes something: its hold file, modules to load back)."""
+        if memory.removed or memory.holding or snap.file(self.policy.hold_file).present:
+            return None
+        if self.policy.mofed == "none":
+            return (
+                'no MOFED on this node ([storage] mofed = "none"): nothing refuses to '
+                "install over the storage modules"
+            )
+        nics = applicability.devices(
+            snap, applicability.MELLANOX_VENDOR, applicability.NETWORK_CLASS
+        )
+        signs = [
+            f
+            for f in sorted(self.mofed.files)
+            if snap.file(f).present or snap.file(f).problem not in (None, "not observed")
+        ]
+        if nics == [] and not signs:
+            return (
+                "no MOFED on this node (none of its files, no PCI network device of vendor "
+                "0x15b3): nothing refuses to install over the storage modules"
+            )
+        return None
 
     # -- memory -------------------------------------------------------------
 

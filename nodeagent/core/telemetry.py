@@ -6,6 +6,8 @@ brings its own series by declaring them here, next to its decision code:
 
 - ``verdict_words``: every verdict word the guard can return, in order (the
   states of ``nodeagent_guard_state{guard,state}``); default ``open, closed``.
+  ``not-applicable`` and ``disabled`` (core/applicability.py) follow every
+  guard's own.
 - ``metric_families``: extra families (name, kind, help, label names).
 - ``metric_samples(verdict, outcomes)``: the values for one pass, from the
   verdict it just returned and the outcomes of its actions in that pass
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from nodeagent.core.actions import ActionOutcome
+from nodeagent.core.applicability import WORDS as SHARED_WORDS
 from nodeagent.core.guard import Verdict
 
 MetricKind = Literal["gauge", "counter", "histogram"]
@@ -105,7 +108,9 @@ class RecordTelemetry:
 
 
 def verdict_words(guard: Any) -> tuple[str, ...]:
-    return tuple(getattr(guard, "verdict_words", DEFAULT_VERDICT_WORDS))
+    """The guard's own words, then the ones every guard shares (core/applicability.py)."""
+    own = tuple(getattr(guard, "verdict_words", DEFAULT_VERDICT_WORDS))
+    return own + tuple(w for w in SHARED_WORDS if w not in own)
 
 
 def verdict_ok(verdict: Verdict) -> bool:

@@ -24,7 +24,7 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -36,9 +36,10 @@ from nodeagent.core.snapshot import (
     DiskModule,
     LoadedModule,
     NodeSnapshot,
+    PciDevice,
     TextFact,
 )
-from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation
+from nodeagent.core.sriov_model import EMPTY_SRIOV, SriovObservation, is_pci_address
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot, reopen
 from nodeagent.host.moddep import Memo, find_module, module_dependencies
@@ -63,6 +64,10 @@ _KoKey = tuple[str, int, int, int, int, int]
 
 
 SriovReader = Callable[[], tuple[SriovObservation, list[str]]]
+
+
+PCI_DEVICES = "sys/bus/pci/devices"
+_HEX_ID = re.compile(r"0x[0-9a-fA-F]{1,6}")
 
 
 def no_sriov() -> tuple[SriovObservation, list[str]]:
@@ -128,6 +133,10 @@ class Observer:
         # (path, name) -> (the parse it was made from, its DiskModule): made again when the
         # parse cache gives another parse; cleared with that cache.
         self._disk_made: dict[tuple[str, str], tuple[ModuleFile, DiskModule]] = {}
+        # PCI address -> its IDs, read once while the address is listed (a device's IDs
+        # do not change; one gone and another at the same address between two passes
+        # is read again at the agent's next start).
+        self._pci: dict[str, PciDevice] = {}
 
     # -- loaded modules -----------------------------------------------------
 
@@ -399,6 +408,7 @@ class Observer:
         problems.extend(p for found in unread.values() for p in found)
         sriov, sriov_problems = self.read_sriov() if needs.sriov else no_sriov()
         problems.extend(sriov_problems)
+        pci = self.read_pci(problems) if needs.pci else None
         # A marker whose presence means "stop" counts as present in an odd form.
         files = self.host.file_facts(sorted(needs.files), odd=needs.present_if_odd)
         for rel in needs.opens & files.keys():
@@ -420,7 +430,33 @@ class Observer:
             sriov=sriov,
             problems=tuple(problems),
             read_problems=MappingProxyType(unread),
+            pci=pci,
         )
+
+    def read_pci(self, problems: list[str]) -> MappingProxyType[str, PciDevice] | None:
+        """Every PCI function's vendor and class; None when the bus cannot be listed (no
+        device is then known absent: core/applicability.py reads that as "applies")."""
+        try:
+            listed = self.host.listdir(PCI_DEVICES, strict=True)
+        except FileNotFoundError:
+            return None
+        except (OSError, NodeagentError) as exc:
+            problems.append(f"{PCI_DEVICES} unreadable: {getattr(exc, 'strerror', None) or exc}")
+            return None
+        addresses = [a for a in listed if is_pci_address(a)]
+        known = {a: d for a in addresses if (d := self._pci.get(a)) and None not in astuple(d)}
+        self._pci = {a: known.get(a) or self._read_pci_device(a) for a in addresses}
+        return MappingProxyType(dict(self._pci))
+
+    def _read_pci_device(self, address: str) -> PciDevice:
+        ids: list[int | None] = []
+        for attr in ("vendor", "class"):
+            try:
+                raw = self.host.read_text(f"{PCI_DEVICES}/{address}/{attr}", 64).strip()
+                ids.append(int(raw, 16) if _HEX_ID.fullmatch(raw) else None)
+            except (OSError, NodeagentError):
+                ids.append(None)  # unreadable: it may be any device (fail closed)
+        return PciDevice(vendor=ids[0], pci_class=ids[1])
 
     def markers_unchanged(self, snap: NodeSnapshot) -> bool:
         """Every marker file still as ``snap`` saw it (presence and identity): a few stats.

@@ -14,8 +14,8 @@ per guard). Every rule about running a plan is here:
   decision that **lets it finish** (``Plan.lets_finish``: its premise still
   holds) supersedes nothing.
 - Steps all of a plan that **ended but whose end no pass has taken** start
-  nothing: the pass deciding them began before that end, and may have seen the
-  node before the steps took effect. The end wakes a pass, which decides again.
+  nothing: that pass began before the end, maybe saw the node before the steps
+  took effect (a module half-made: a load decided twice). The end wakes a pass.
 - An **urgent** plan (a protective action: unloading an idle ``nvidia_peermem``
   when a MOFED restart begins) starts at once on a lane of its own, never
   behind a step in flight.
@@ -221,15 +221,12 @@ class _Run:
 
     def continues_with(self, steps: tuple[Action, ...]) -> bool:
         """``steps`` is what this run still does: its steps from the one in flight on."""
-        if not steps:
-            return False
         # Steps the running plan does or did, and nothing else: a pass that observed
         # while they took effect decides what is left, or some of it again (the storage
-        # guard's removal seen mid-way: the hold file written, a module going). A
-        # sequence stops at its first failure, so each step before the one in flight is
-        # done; one it has not reached that the newer decision leaves out (a module
-        # that now has a user) is refused by the kernel if it is in use.
-        return set(steps) <= set(self.plan.steps)
+        # guard's removal seen mid-way). A sequence stops at its first failure, so each
+        # step before the one in flight is done; one it has not reached that the newer
+        # decision leaves out (a module now in use) is refused by the kernel then.
+        return bool(steps) and set(steps) <= set(self.plan.steps)
 
 
 class GuardWorker:
@@ -268,10 +265,7 @@ class GuardWorker:
             if plan.lets_finish and (self._current is not None or self._queued is not None):
                 return  # nothing new, and what runs still stands
             if self._current is None and self._queued is None and self._ended_with(plan.steps):
-                # Decided by a pass that had not taken this plan's end (it began before):
-                # its snapshot may predate the steps' effect (a module half-made in sysfs:
-                # the load-back decided twice). The pass the end wakes decides again.
-                return
+                return  # decided before that end was taken (see the rules above)
             self._wanted = plan.steps
             if self._current is not None:
                 self._current.superseded = True

@@ -753,6 +753,17 @@ class SimKernel:
 
     # -- drivers and devices --------------------------------------------------
 
+    def add_pci_device(self, pci: str, vendor: str, pci_class: str) -> None:
+        """A PCI function as sysfs shows it: its IDs, and its link in bus/pci/devices."""
+        dev = self.root / self.PCI_PARENT / pci
+        dev.mkdir(parents=True, exist_ok=True)
+        self._write(dev / "vendor", vendor + "\n")
+        self._write(dev / "class", pci_class + "\n")
+        _symlink(
+            f"../../../devices/pci0000:00/0000:00:01.0/{pci}",
+            self.root / "sys/bus/pci/devices" / pci,
+        )
+
     def add_pf(
         self,
         ifname: str,
@@ -779,6 +790,7 @@ class SimKernel:
         dev = self.root / self.PCI_PARENT / pci
         dev.mkdir(parents=True, exist_ok=True)
         self._write(dev / "vendor", vendor + "\n")
+        self._write(dev / "class", "0x020000\n")  # Ethernet
         self._write(dev / "sriov_totalvfs", f"{totalvfs}\n")
         self._write(dev / "sriov_numvfs", "0\n")
         _symlink(

@@ -63,6 +63,13 @@ class SimEvent:
     kind: str = "line"  # "line": what a party printed or did; "state": the kernel's state now
 
 
+# What a node can have on its PCI bus: (address, vendor, class).
+HARDWARE: dict[str, tuple[str, str, str]] = {
+    "gpu": ("0000:3b:00.0", "0x10de", "0x030200"),  # an NVIDIA 3D controller (H100)
+    "rdma-nic": ("0000:5e:00.0", "0x15b3", "0x020700"),  # a ConnectX in InfiniBand mode
+}
+
+
 class Node:
     def __init__(
         self,
@@ -72,8 +79,12 @@ class Node:
         seed: int,
         arch: str = "aarch64",
         mode: DeploymentMode | None = None,
+        hardware: tuple[str, ...] = ("gpu", "rdma-nic"),
     ) -> None:
+        """``hardware``: what the node has on its PCI bus (``HARDWARE``'s keys): a GPU
+        node with a ConnectX NIC by default; a NIC-only or GPU-only node leaves one out."""
         self.root = Path(root)
+        self.hardware = hardware
         self.kver = kver
         self.mode = mode or MODES[DEFAULT_MODE]  # what the operator containers are set to
         self.arch = arch
@@ -97,6 +108,10 @@ class Node:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         if not (self.root / MOUNTINFO).exists():
             (self.root / MOUNTINFO).write_text(ROOT_MOUNT + "\n")
+        # A host bridge on every node; then what it has.
+        self.kernel.add_pci_device("0000:00:00.0", "0x8086", "0x060000")
+        for what in hardware:
+            self.kernel.add_pci_device(*HARDWARE[what])
 
     # -- where things are -------------------------------------------------------
 

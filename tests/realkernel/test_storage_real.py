@@ -26,6 +26,7 @@ import pytest
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.actions import UnloadModule
+from nodeagent.core.storage import StoragePolicy
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModuleOpError
 from nodeagent.host.moddep import module_dependencies
@@ -76,7 +77,11 @@ def mofed_pending() -> Iterator[subprocess.Popen[str]]:
 
 
 def _agent() -> Agent:
-    return Agent(Config(host_root="/", mode="enforce", uevents=False))
+    # The guest has no ConnectX: the test's MOFED stand-in is why the guard applies.
+    storage = StoragePolicy(enabled=True)
+    return Agent(
+        Config(host_root="/", mode="enforce", uevents=False, policies={"storage": storage})
+    )
 
 
 @pytest.fixture

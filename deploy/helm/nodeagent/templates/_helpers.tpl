@@ -87,10 +87,11 @@ too) and the labels. */}}
 {{- if ne (int .Values.metrics.port) 9808 -}}
 {{- $_ := set $cfg "metrics_address" (printf "127.0.0.1:%d" (int .Values.metrics.port)) -}}
 {{- end -}}
-{{- $peermem := dict "mofed" $a.peermem.mofed -}}
+{{- $peermem := dict "enabled" $a.peermem.enabled "mofed" $a.peermem.mofed -}}
 {{- if .Values.hold.enabled -}}{{- $_ := set $peermem "hold_loads" "fanotify" -}}{{- end -}}
 {{- $_ := set $cfg "peermem" $peermem -}}
-{{- $_ := set $cfg "sriov" (dict "numvfs_owner" $a.sriov.numvfsOwner) -}}
+{{- $_ := set $cfg "storage" (dict "enabled" $a.storage.enabled) -}}
+{{- $_ := set $cfg "sriov" (dict "enabled" $a.sriov.enabled "numvfs_owner" $a.sriov.numvfsOwner) -}}
 {{- $_ := set $cfg "labels" (dict "nfd" .Values.labels.nfd) -}}
 {{- $_ := set $cfg "npd" (dict "enabled" .Values.npd.enabled) -}}
 {{- $extra := deepCopy ($a.extraConfig | default dict) -}}
