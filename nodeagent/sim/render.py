@@ -258,6 +258,7 @@ def render_summary(doc: dict[str, Any], *, scenario: str = "all", lanes: bool = 
     for i, sc in enumerate(doc["scenarios"]):
         shipped = next((r["deployment_mode"] for r in sc["runs"] if r["agent"]), "")
         seeds = ("seeds " if len(sc["seeds"]) > 1 else "seed ") + ", ".join(sc["seeds"])
+        seeds = seeds if sc["seeds"] else "a node kind"
         first = [sc["name"], seeds, shipped]
         if i:
             out.append("─" * rule)
@@ -269,6 +270,10 @@ def render_summary(doc: dict[str, Any], *, scenario: str = "all", lanes: bool = 
                 notes.append(f"{sc['name']}, {name}: held: {_short(text)}")
             for text in run["verdict"]["not_prevented"]:
                 notes.append(f"{sc['name']}, {name}: {text}")
+            if not sc["seeds"] and name == "as shipped":  # a node kind: each guard's word
+                at_end = run["verdict"]["guards_at_end"].items()
+                said = ", ".join(f"{g} {w.split(':')[0]}" for g, w in at_end)
+                notes.append(f"{sc['name']}, {name}: {said} (why: --json, guards_at_end)")
     out += [
         "",
         "(+N): restarts of the nvidia-peermem-ctr sidecar; never: not healthy at the end.",

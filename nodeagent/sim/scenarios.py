@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nodeagent.core import applicability
 from nodeagent.sim.actors import (
     Container,
     GpuSpec,
@@ -124,6 +125,9 @@ class Scenario:
     build: Callable[[Node, bool], Cast]
     # The deployment mode the seed's node ran (modes.py); the operator containers follow it.
     mode: str = DEFAULT_MODE
+    # What the node has on its PCI bus (node.HARDWARE): a GPU node with a ConnectX unless
+    # the scenario is about a node of another kind (issue 54's mixed clusters).
+    hardware: tuple[str, ...] = ("gpu", "rdma-nic")
 
 
 # -- helpers for the scenes ---------------------------------------------------------
@@ -262,6 +266,27 @@ def _storage_module_race(node: Node, agent: bool) -> Cast:
     # (the GPU Operator does not schedule on the mofed.wait label: deploy/README.md).
     _start_at(node, 0.0, gpu)
     return Cast(mofed=[mofed], gpu=gpu, sidecar=sidecar, target=MOFED_2501, nfs=True)
+
+
+def _nic_only_node(node: Node, agent: bool) -> Cast:
+    """A storage or front-end node: a ConnectX, no GPU. MOFED's container replaces the
+    inbox stack the node booted with (an openibd restart); no GPU Operator pod runs here."""
+    node.install(INBOX, RDMA_MODULES, "host")
+    sched = node.sched
+    boot = ("mlx5_core", "mlx5_ib")
+    why = "PCI enumeration (udev)"
+    sched.spawn(why, functools.partial(host_modprobe, node, boot, why), delay=20.0 - sched.now())
+    mofed = mofed_container(node, MofedSpec(MOFED_2507, "25.07-0.9.7.0"))
+    _start_at(node, 60.0, mofed)
+    return Cast(mofed=[mofed], target=MOFED_2507, rdma=False)
+
+
+def _gpu_only_node(node: Node, agent: bool) -> Cast:
+    """A GPU node with no RDMA NIC (GPUDirect RDMA off, or over DMA-BUF): the driver
+    container builds and loads the GPU driver; no MOFED, nobody loads nvidia_peermem."""
+    gpu = gpu_driver_container(node, GpuSpec(NVIDIA, manager_s=15, build_s=120))
+    _start_at(node, 0.0, gpu)
+    return Cast(gpu=gpu, rdma=False)
 
 
 def _vf_node(
@@ -426,6 +451,35 @@ SCENARIOS: dict[str, Scenario] = {
             "48-49 bound to vfio-pci: MOFED does not even save those.",
             _mofed_upgrade,
         ),
+        Scenario(
+            "nic-only-node",
+            "a node with a ConnectX and no GPU: MOFED installs, nothing is wrong",
+            (),
+            "00:00:00",
+            "5.15.0-170-generic",
+            600.0,
+            (),
+            "A storage node of the same cluster: the DaemonSet runs there too (NFD's 15b3 "
+            "label). MOFED's container replaces the inbox stack. The agent must say the "
+            "peermem gate and the VF guard do not apply here, raise nothing and do nothing.",
+            _nic_only_node,
+            hardware=("rdma-nic",),
+        ),
+        Scenario(
+            "gpu-only-node",
+            "a GPU node with no RDMA NIC: the driver loads, nothing is wrong",
+            (),
+            "00:00:00",
+            "5.15.0-170-generic",
+            600.0,
+            (),
+            "A GPU node without a ConnectX (no GPUDirect RDMA, or DMA-BUF): the driver "
+            "container loads the GPU driver and nobody loads nvidia_peermem. The agent "
+            "must say no guard applies here, raise nothing and do nothing.",
+            _gpu_only_node,
+            mode="dma-buf",
+            hardware=("gpu",),
+        ),
     )
 }
 
@@ -456,12 +510,15 @@ class Verdict:
     # With the hold (a "-hold" mode): each open it held, whose, how long, how it ended.
     # None in the other modes (and left out of their JSON: those outputs are unchanged).
     held_opens: tuple[str, ...] | None = None
+    # With the agent: each guard's verdict at the end, "<word>" or "<word>: <reason>" for
+    # one that does not apply (not-applicable, disabled) or is not ok (an alert's input).
+    guards_at_end: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             k: list(v) if isinstance(v, tuple) else v
             for k, v in self.__dict__.items()
-            if not (k == "held_opens" and v is None)
+            if not (k in ("held_opens", "guards_at_end") and v is None)
         }
 
 
@@ -532,6 +589,8 @@ class _Watcher:
 
     def healthy(self) -> bool:
         node, k, cast = self.node, self.node.kernel, self.cast
+        if cast.target is None and not cast.mofed:  # a node without MOFED (GPU only)
+            return cast.gpu is not None and k.is_live("nvidia")
         if not node.exists(READY) or cast.target is None:
             return False
         for m in STACK:
@@ -655,7 +714,9 @@ def run_scenario(
     with tempfile.TemporaryDirectory(
         prefix=f"nodeagent-sim-{scenario.name}-", dir=_tmp_base()
     ) as tmp:
-        node = Node(Path(tmp), scenario.kver, seed=seed, mode=deployment)
+        node = Node(
+            Path(tmp), scenario.kver, seed=seed, mode=deployment, hardware=scenario.hardware
+        )
         sched = node.sched
         box: dict[str, Cast] = {}
         watcher = _Watcher(node)
@@ -680,7 +741,8 @@ def run_scenario(
             sched.spawn("scene", lambda: box.setdefault("cast", scenario.build(node, agent)))
             sched.run(-1e-9)  # the boot sets the scene; t=0 is the seed's first line
             watcher.cast = box["cast"]
-            watcher.cast.rdma = deployment.rdma  # peermem belongs on a healthy node
+            # peermem belongs on a healthy node of the mode, where there is a GPU
+            watcher.cast.rdma = deployment.rdma and "gpu" in scenario.hardware
             watcher()
             if speed:
                 start = time.monotonic()
@@ -699,6 +761,7 @@ def run_scenario(
                 still = hold.held() if hold is not None else []
                 verdict = replace(verdict, held_opens=_held_opens(node, records, still))
             if agent:
+                verdict = replace(verdict, guards_at_end=_guards_at_end(records))
                 sidecar = watcher.cast.sidecar
                 probe_kills = sum(code == 137 for _t, code in sidecar.exits) if sidecar else 0
                 verdict = replace(
@@ -720,6 +783,19 @@ def run_scenario(
     return RunResult(
         scenario, agent, deployment, seed, tuple(events), kmsg, verdict, wall, ops, tuple(records)
     )
+
+
+def _guards_at_end(records: list[dict[str, Any]]) -> dict[str, str]:
+    last: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r.get("kind") == "decision" and isinstance(r.get("guard"), str):
+            last[r["guard"]] = r
+    out = {}
+    for guard, r in sorted(last.items()):
+        word, reasons = str(r.get("verdict")), r.get("reasons") or []
+        shelved = word in applicability.WORDS or not r.get("ok")
+        out[guard] = f"{word}: {reasons[0]}" if shelved and reasons else word
+    return out
 
 
 def _pace(start: float, t: float, speed: float) -> None:

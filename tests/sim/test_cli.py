@@ -57,7 +57,11 @@ def check_schema(doc: dict[str, Any]) -> None:
             assert run["deployment_mode"] in doc["deployment_modes"]
             assert all(isinstance(n, int) for n in run["verdict"]["peermem_failed_by"].values())
             assert run["agent"] or not run["verdict"]["not_prevented"]
-            assert set(run["verdict"]) - {"held_opens"} == set(VERDICT_TYPES)
+            assert set(run["verdict"]) - {"held_opens", "guards_at_end"} == set(VERDICT_TYPES)
+            # With the agent: each guard's last verdict (issue 54's node kinds read it).
+            at_end = run["verdict"].get("guards_at_end")
+            assert ("guards_at_end" in run["verdict"]) == run["agent"]
+            assert at_end is None or set(at_end) == {"peermem", "storage", "sriov"}
             held = run["verdict"].get("held_opens")  # only in a hold mode's runs, with the agent
             hold_run = run["agent"] and MODES[run["deployment_mode"]].hold
             assert ("held_opens" in run["verdict"]) == hold_run

@@ -221,3 +221,26 @@ def test_the_seed_node_shows_open_modules_and_the_agent_reports_dma_buf() -> Non
     closed = [x for x in peermem if x["reasons"]]
     assert any(x["reasons"][-1].startswith("GPUDirect RDMA: DMA-BUF capable") for x in closed)
     assert r.verdict.peermem_loaded  # reported, never acted on: peermem stays loaded
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        (
+            "nic-only-node",
+            {"peermem": "not-applicable", "storage": "clear", "sriov": "not-applicable"},
+        ),
+        ("gpu-only-node", dict.fromkeys(("peermem", "storage", "sriov"), "not-applicable")),
+    ],
+)
+def test_a_node_of_another_kind_is_not_a_broken_node(name: str, words: dict[str, str]) -> None:
+    """Issue 54: the agent on a NIC-only and a GPU-only node says which guards do not apply,
+    is ok throughout (no alert's input), does nothing, and the node is healthy as without."""
+    without, with_agent = run(name, agent=False), run(name, agent=True)
+    at_end = with_agent.verdict.guards_at_end or {}
+    assert {g: w.split(":")[0] for g, w in at_end.items()} == words
+    decisions = [r for r in with_agent.agent_records if r.get("kind") == "decision"]
+    assert decisions and all(r["ok"] for r in decisions), [r for r in decisions if not r["ok"]]
+    assert not [op for op in with_agent.module_ops if op[1] == "nodeagent"]
+    assert not [r for r in with_agent.agent_records if r.get("kind") == "action"]
+    assert with_agent.verdict.healthy_at == without.verdict.healthy_at is not None
