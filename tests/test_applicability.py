@@ -212,3 +212,29 @@ def test_every_output_says_it_the_same_way(word: str) -> None:
     assert "status=ok\n" in condition_text(v, 1.0, "boot")
     for guard in build_reconciler(Config()).guards.values():
         assert verdict_words(guard)[-2:] == (NOT_APPLICABLE, DISABLED), guard.name
+
+
+def test_wait_peermem_answers_at_once_where_the_gate_does_not_apply(tmp_path: Path) -> None:
+    """A driver container told to wait on the gate goes on, on a node without an RDMA NIC,
+    as it would without the agent (exit 0), instead of waiting forever."""
+    from tests.waiting import WAIT, until
+
+    root = tmp_path / "root"
+    built(root, ("gpu",))
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "nodeagent", "run", "--host-root", str(root),
+         "--metrics-address", "off"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        until((root / "run/nodeagent/status.json").exists, "the agent's first status")
+        p = subprocess.run(
+            [sys.executable, "-m", "nodeagent", "wait", "peermem", "--host-root", str(root),
+             "--timeout", "30"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.startswith("peermem gate is open")
+    finally:
+        agent.terminate()
+        agent.wait(WAIT)

@@ -139,6 +139,13 @@ TOGGLES: dict[str, dict[str, Any]] = {
         "dashboard": {"enabled": True},
         "npd": {"pluginConfigMap": True},
     },
+    "guards switched": {
+        "agent": {
+            "peermem": {"enabled": False, "mofed": "none"},
+            "storage": {"enabled": True},
+            "sriov": {"enabled": False},
+        }
+    },
     "extraObjects": {
         "extraObjects": [
             {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {}}
@@ -177,6 +184,20 @@ def agent_toml(docs: list[dict[str, Any]]) -> dict[str, Any]:
 @pytest.mark.parametrize("toggle", TOGGLES)
 def test_the_config_file_is_one_the_agent_accepts(toggle: str) -> None:
     config_from_mapping(agent_toml(render(TOGGLES[toggle])))
+
+
+def test_each_guards_switch_reaches_agent_toml_and_the_agent() -> None:
+    """Issue 54: agent.<guard>.enabled (auto by default, as the kustomize base)."""
+    default = config_from_mapping(agent_toml(render()))
+    assert [default.policies[g].enabled for g in ("peermem", "storage", "sriov")] == ["auto"] * 3
+    switched = agent_toml(render(TOGGLES["guards switched"]))
+    assert switched["peermem"] == {"enabled": False, "mofed": "none"}
+    assert switched["storage"] == {"enabled": True}
+    assert switched["sriov"]["enabled"] is False
+    cfg = config_from_mapping(switched)
+    assert [cfg.policies[g].enabled for g in ("peermem", "storage", "sriov")] == [
+        False, True, False,
+    ]  # fmt: skip
 
 
 def test_the_default_render_follows_the_operators_conventions() -> None:
