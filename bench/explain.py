@@ -15,20 +15,27 @@ openibd's ``Unloading `` repeated before ``[FAILED]``, ``mlx5_ib: `` repeated be
 ``Unknown symbol``, a failed insert's path of 2000 directories. Its rate is
 printed next to the normal one: they must be of the same order.
 
-    .venv/bin/python bench/explain.py [--size 1G]
+    .venv/bin/python bench/explain.py [--size 1G] [--runs 3] [--against DIR]
+
+Each figure is the median of ``--runs`` runs. ``--against DIR`` (a checkout of an older
+commit: ``git worktree add DIR <commit>``) runs that code the same way, alternated run by
+run with this one, and prints both and their ratio: the machine's noise hits both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 LINES = [
     b"Nov 21 11:50:%02d gpu-1 kubelet[2121]: I1121 11:50:00.000000 2121 kubelet.go:2415] "
@@ -74,43 +81,61 @@ def make_log(path: Path, n: int, hostile: bool = False) -> None:
         fh.write(EVIDENCE)
 
 
-def run(path: Path) -> tuple[float, float, list[str]]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def run(path: Path, code: Path) -> tuple[float, float, list[str]]:
+    """One ``nodeagent explain --json`` of ``path`` with the package under ``code``: its
+    wall time, its own peak RSS (MiB; GNU time's, not the children's maximum so far), the
+    incidents it found."""
     t0 = time.perf_counter()
     p = subprocess.run(
-        [sys.executable, "-m", "nodeagent", "explain", "--json", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+        ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "nodeagent", "explain", "--json",
+         str(path)],
+        capture_output=True, text=True, check=True, cwd=code,
+        env={**os.environ, "PYTHONPATH": str(code)},
+    )  # fmt: skip
     took = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak_kib = int(p.stderr.strip().splitlines()[-1])
     kinds = [i["kind"] for i in json.loads(p.stdout)["incidents"]]
-    return took, max(peak, before) / 1024, kinds
+    return took, peak_kib / 1024, kinds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="1G")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--against", type=Path, help="a checkout of the code to compare with")
     args = ap.parse_args(argv)
     print(f"$ .venv/bin/python bench/explain.py {' '.join(argv or sys.argv[1:])}".rstrip())
+    codes = {"this": REPO}
+    if args.against is not None:
+        codes["against"] = args.against.resolve()
     n = size(args.size)
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         for each in (n // 10, n):
-            rates = []
             for hostile in (False, True):
                 log = Path(tmp) / "journal.log"
                 make_log(log, each, hostile)
                 actual = log.stat().st_size
-                took, peak, kinds = run(log)
-                rates.append(actual / 1e6 / took)
-                print(
-                    f"{'hostile' if hostile else 'normal ':7} {actual / 1e6:,.0f} MB: "
-                    f"{took:.1f} s, {rates[-1]:,.0f} MB/s, peak RSS {peak:.0f} MiB "
-                    f"(so far, this process's children), found {kinds}"
-                )
+                took: dict[str, list[float]] = {name: [] for name in codes}
+                peaks: dict[str, list[float]] = {name: [] for name in codes}
+                found: dict[str, list[str]] = {}
+                for _ in range(args.runs):  # alternated: this, against, this, against ...
+                    for name, code in codes.items():
+                        seconds, peak, kinds = run(log, code)
+                        took[name].append(seconds)
+                        peaks[name].append(peak)
+                        found[name] = kinds
+                kind = "hostile" if hostile else "normal "
+                rates = {}
+                for name in codes:
+                    rates[name] = actual / 1e6 / statistics.median(took[name])
+                    print(
+                        f"{kind} {actual / 1e6:,.0f} MB, {name:7}: median of {args.runs} "
+                        f"{statistics.median(took[name]):.1f} s, {rates[name]:,.0f} MB/s, "
+                        f"peak RSS {statistics.median(peaks[name]):.1f} MiB, found {found[name]}"
+                    )
+                if "against" in rates:
+                    print(f"        this/against rate: {rates['this'] / rates['against']:.2f}")
                 log.unlink()
-            print(f"        hostile/normal rate: {rates[1] / rates[0]:.2f}")
     return 0
 
 

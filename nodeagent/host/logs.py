@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from nodeagent.core.explain import LINE_MAX, Explainer, may_have_evidence
+from nodeagent.core.explain import LINE_MAX, Explainer, may_have_errors, may_have_evidence
 from nodeagent.host.bundle import gunzipped, is_tar_name, open_regular, walk
 
 CHUNK = 1 << 20
@@ -113,10 +113,7 @@ def _is_dir(path: str) -> bool:
 
 def _wanted(chunk: bytes, ex: Explainer) -> bool:
     """Split into lines only a chunk with evidence, or error lines still wanted."""
-    lower = chunk.lower()
-    if may_have_evidence(lower):
-        return True
-    return len(ex.errors) < 5 and (b"error" in lower or b"fail" in lower)
+    return may_have_evidence(chunk) or (len(ex.errors) < 5 and may_have_errors(chunk))
 
 
 def _open(path: str) -> IO[bytes]:
