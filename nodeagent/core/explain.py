@@ -204,8 +204,12 @@ class Signature:
         """``low``: ``line.lower()`` (once per line, by the caller)."""
         for word in self.needs:
             if word in low:
-                return self.pattern.search(line[::-1] if self.backward else line)
+                return self.search(line)
         return None
+
+    def search(self, line: str) -> re.Match[str] | None:
+        """The pattern alone (the caller knows one of ``needs`` is in the line)."""
+        return self.pattern.search(line[::-1] if self.backward else line)
 
     def found_in(self, line: str, low: str) -> bool:
         return self.match(line, low) is not None
@@ -531,6 +535,24 @@ SIGNATURES: tuple[Signature, ...] = (
     ),
 )
 _BY_NAME = {s.name: s for s in SIGNATURES}
+
+
+def _needs_set() -> tuple[Any, list[list[int]]]:
+    """Every signature's ``needs`` words in one RE2 set (a line's words in one pass, where
+    ~60 substring tests of a 4 KiB line took ~270 µs: 9 µs), and for each word the
+    signatures (by index, in table order) that need it."""
+    words: dict[str, list[int]] = {}
+    for i, sig in enumerate(SIGNATURES):
+        for word in sig.needs:
+            words.setdefault(word, []).append(i)
+    needs = re2.Set.SearchSet()
+    for word in words:
+        needs.Add(re2.escape(word))
+    needs.Compile()
+    return needs, list(words.values())
+
+
+_NEEDS, _NEEDED_BY = _needs_set()
 
 # Cheap before any per-line work: a chunk without one of these words (in any case) has no
 # evidence (``may_have_evidence``: one RE2 pass; Python's re runs such an alternation at
@@ -985,8 +1007,10 @@ class Explainer:
             stamp = state.stamp
         text = line if line.isascii() else line.translate(_TYPOGRAPHIC)
         low = text.lower()
-        for sig in SIGNATURES:
-            m = sig.match(text, low)
+        present = _NEEDS.Match(low) or ()  # which signatures' words are in it: one pass
+        for i in sorted({i for word in present for i in _NEEDED_BY[word]}):
+            sig = SIGNATURES[i]
+            m = sig.search(text)
             if m is None:
                 continue
             fields = tuple((k, v) for k, v in m.groupdict().items() if v is not None)
@@ -997,8 +1021,9 @@ class Explainer:
             self.errors.append(Evidence(file, lineno, line, ""))
         if len(self.modules) < 20 and any(word in low for word in _MODULE_WORDS):
             for mod in _MODULES.finditer(low):
-                if len(self.modules) < 20:
-                    self.modules.add(mod.group(1))
+                self.modules.add(mod.group(1))
+                if len(self.modules) >= 20:
+                    break  # a line of 4096 characters can name a thousand
 
     @property
     def found(self) -> dict[str, list[Evidence]]:
