@@ -36,6 +36,7 @@ checks each pattern's shape and times hostile lines built from its pieces.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -1020,10 +1021,12 @@ class Explainer:
         if ("error" in low or "fail" in low) and len(self.errors) < 5:
             self.errors.append(Evidence(file, lineno, line, ""))
         if len(self.modules) < 20 and any(word in low for word in _MODULE_WORDS):
-            for mod in _MODULES.finditer(low):
+            # At most 20 names read of a line: one of 4096 characters can name a thousand
+            # (or one module a thousand times, which never fills the set).
+            for mod in itertools.islice(_MODULES.finditer(low), 20):
                 self.modules.add(mod.group(1))
                 if len(self.modules) >= 20:
-                    break  # a line of 4096 characters can name a thousand
+                    break
 
     @property
     def found(self) -> dict[str, list[Evidence]]:
