@@ -210,7 +210,12 @@ class Signature:
 
     def search(self, line: str) -> re.Match[str] | None:
         """The pattern alone (the caller knows one of ``needs`` is in the line)."""
-        return self.pattern.search(line[::-1] if self.backward else line)
+        text = line[::-1] if self.backward else line
+        fast = _FAST.get(self.pattern)
+        # ASCII only: RE2's \w, \s, \b are ASCII, Python's take any letter or space.
+        if fast is not None and text.isascii() and fast.search(text) is None:
+            return None  # RE2's superset says no: so does the pattern
+        return self.pattern.search(text)
 
     def found_in(self, line: str, low: str) -> bool:
         return self.match(line, low) is not None
@@ -554,6 +559,73 @@ def _needs_set() -> tuple[Any, list[list[int]]]:
 
 
 _NEEDS, _NEEDED_BY = _needs_set()
+
+
+def superset(pattern: str) -> str:
+    """``pattern`` loosened into what RE2 takes: possessive quantifiers and atomic groups made
+    plain, lookarounds dropped. Every line the pattern matches, this matches (each change
+    only lets more text through), so a line RE2 rejects in one DFA pass needs no search."""
+    out: list[str] = []
+    i, klass = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if klass:
+            klass = c != "]"
+            out.append(c)
+            i += 1
+            continue
+        if c == "[":
+            klass = True
+            out.append(c)
+            # a ']' right after '[' or '[^' is a member, not the end
+            if pattern[i + 1 : i + 2] == "^":
+                out.append("^")
+                i += 1
+            if pattern[i + 1 : i + 2] == "]":
+                out.append("]")
+                i += 1
+            i += 1
+            continue
+        if pattern.startswith("(?>", i):
+            out.append("(?:")
+            i += 3
+            continue
+        look = next((x for x in ("(?<!", "(?<=", "(?!", "(?=") if pattern.startswith(x, i)), "")
+        if look:
+            end = pattern.find(")", i)
+            if end < 0 or "(" in pattern[i + len(look) : end]:
+                raise ValueError("a nested lookaround")
+            i = end + 1
+            continue
+        if c == "+" and out and out[-1] in ("+", "*", "?", "}") and not _escaped(out):
+            i += 1  # possessive: the quantifier before it, plain
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _escaped(out: list[str]) -> bool:
+    """The last token is an escaped character (``\\+``), not a quantifier."""
+    return len(out[-1]) == 2 and out[-1].startswith("\\")
+
+
+def _fast(pattern: re.Pattern[str]) -> Any:
+    try:
+        text = superset(pattern.pattern)
+        flags = "(?i)" if pattern.flags & re.IGNORECASE else ""
+        flags += "(?m)" if pattern.flags & re.MULTILINE else ""
+        return re2.compile(flags + text)
+    except (ValueError, re2.error):
+        return None  # searched with re alone
+
+
+# Each signature's RE2 superset, where there is one (by pattern).
+_FAST = {s.pattern: f for s in SIGNATURES if (f := _fast(s.pattern)) is not None}
 
 # Cheap before any per-line work: a chunk without one of these words (in any case) has no
 # evidence (``may_have_evidence``: one RE2 pass; Python's re runs such an alternation at
