@@ -35,6 +35,12 @@ def _agent(root: Path) -> subprocess.Popen[bytes]:
     )
 
 
+# An agent's start (Python's imports, the simulated node's build, its responder process's
+# own imports) takes tens of seconds in the TCG guest (tests/realkernel/test_hold_upgrade_real
+# runs this file there): a guest run failed once at 30 s waiting for the second agent's.
+START_WAIT = 4 * WAIT
+
+
 def _held(root: Path, pid: int, responder: int | None = None) -> bool:
     status = _hold_status(root)
     if responder is not None and status.get("responder_pid") != responder:
@@ -44,7 +50,9 @@ def _held(root: Path, pid: int, responder: int | None = None) -> bool:
 
 def responder_running(root: Path, what: str) -> int:
     """The responder's pid, once status says the hold runs."""
-    status = until(lambda: (s := _hold_status(root)).get("state") == "running" and s, what)
+    status = until(
+        lambda: (s := _hold_status(root)).get("state") == "running" and s, what, START_WAIT
+    )
     return int(status["responder_pid"])
 
 
@@ -97,6 +105,7 @@ def test_a_held_load_stays_held_across_a_rollout_and_goes_on_when_the_gate_opens
                     and s.get("responder_pid") not in (None, responder)
                 ),
                 "the second agent's hold did not start",
+                START_WAIT,
             )
             (ko,) = driver.rglob("nvidia-peermem.ko*")
             late = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
