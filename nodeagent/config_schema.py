@@ -36,7 +36,7 @@ _FIXED: dict[Callable[..., Any], Schema] = {
     },
     policy_fields.params: STRINGS,
     policy_fields.paths: STRINGS,
-    applicability.parse_enabled: {"enum": ["auto", True, False]},
+    applicability.parse_enabled: {"enum": list(applicability.ENABLED_CHOICES)},
 }
 # Each guard's [<guard>] table (guards/registry.py names the guards).
 POLICY_TABLES: dict[str, Sequence[policy_fields.Setting]] = {

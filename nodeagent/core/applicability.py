@@ -71,7 +71,7 @@ def _is(d: PciDevice, vendor: int, cls: int) -> bool:
 def decision(guard: Any, snap: NodeSnapshot, memory: Any) -> GuardDecision[Any] | None:
     """The decision of a guard that does not apply (disabled, or auto and nothing to guard);
     None when it applies and decides itself."""
-    enabled: Enabled = getattr(getattr(guard, "policy", None), "enabled", True)
+    enabled = _enabled(guard)
     if enabled is False:
         return shelved(
             guard.name,
@@ -95,4 +95,10 @@ def shelved(guard: str, word: str, why: str, memory: Any) -> GuardDecision[Any]:
 
 def observed(guard: Any) -> bool:
     """Whether a guard's needs are observed: not when it is turned off."""
-    return getattr(getattr(guard, "policy", None), "enabled", True) is not False
+    return _enabled(guard) is not False
+
+
+def _enabled(guard: Any) -> Enabled:
+    """Its policy's ``enabled``; a guard with no such setting always applies."""
+    enabled: Enabled = getattr(getattr(guard, "policy", None), "enabled", True)
+    return enabled

@@ -247,11 +247,8 @@ class StorageGuard:
         nics = applicability.devices(
             snap, applicability.MELLANOX_VENDOR, applicability.NETWORK_CLASS
         )
-        signs = [
-            f
-            for f in sorted(self.mofed.files)
-            if snap.file(f).present or snap.file(f).problem not in (None, "not observed")
-        ]
+        facts = [snap.file(f) for f in sorted(self.mofed.files)]
+        signs = [f for f in facts if f.present or f.problem not in (None, "not observed")]
         if nics == [] and not signs:
             return (
                 "no MOFED on this node (none of its files, no PCI network device of vendor "

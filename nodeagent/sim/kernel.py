@@ -43,9 +43,10 @@ import os
 import shutil
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from types import MappingProxyType
 
 from nodeagent.core.names import (
     normalize_module_name,
@@ -753,16 +754,22 @@ class SimKernel:
 
     # -- drivers and devices --------------------------------------------------
 
-    def add_pci_device(self, pci: str, vendor: str, pci_class: str) -> None:
-        """A PCI function as sysfs shows it: its IDs, and its link in bus/pci/devices."""
+    def add_pci_device(
+        self, pci: str, vendor: str, pci_class: str, attrs: Mapping[str, str] = MappingProxyType({})
+    ) -> Path:
+        """A PCI function as sysfs shows it: its IDs and ``attrs``, then its link in
+        bus/pci/devices (a reader that finds the link finds every attribute). Its directory."""
         dev = self.root / self.PCI_PARENT / pci
         dev.mkdir(parents=True, exist_ok=True)
         self._write(dev / "vendor", vendor + "\n")
         self._write(dev / "class", pci_class + "\n")
+        for name, value in attrs.items():
+            self._write(dev / name, value + "\n")
         _symlink(
             f"../../../devices/pci0000:00/0000:00:01.0/{pci}",
             self.root / "sys/bus/pci/devices" / pci,
         )
+        return dev
 
     def add_pf(
         self,
@@ -787,16 +794,8 @@ class SimKernel:
             probe_delay,
         )
         self.pfs[ifname] = pf
-        dev = self.root / self.PCI_PARENT / pci
-        dev.mkdir(parents=True, exist_ok=True)
-        self._write(dev / "vendor", vendor + "\n")
-        self._write(dev / "class", "0x020000\n")  # Ethernet
-        self._write(dev / "sriov_totalvfs", f"{totalvfs}\n")
-        self._write(dev / "sriov_numvfs", "0\n")
-        _symlink(
-            f"../../../devices/pci0000:00/0000:00:01.0/{pci}",
-            self.root / "sys/bus/pci/devices" / pci,
-        )
+        sriov = {"sriov_totalvfs": f"{totalvfs}", "sriov_numvfs": "0"}
+        dev = self.add_pci_device(pci, vendor, "0x020000", sriov)  # Ethernet
         self._on_live.setdefault(driver, []).append(lambda: self._driver_bound(pf))
         self._on_going.setdefault(driver, []).append(lambda: self._driver_unbound(pf))
         self._write(dev / "sriov_drivers_autoprobe", "1\n")
