@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,7 +114,10 @@ def _stamp(m: re.Match[str]) -> Stamp | None:
 
 def split(line: str) -> tuple[str, Stamp | None]:
     """The line as the tool wrote it (prefixes, colour and CR off) and the time it says."""
-    line = _ANSI.sub("", line.rstrip("\r\n")).replace("\r", "")
+    line = line.rstrip("\r\n")
+    if "\x1b" in line:  # colour is rare: the search for it costs a scan of the line
+        line = _ANSI.sub("", line)
+    line = line.replace("\r", "")
     stamp = None
     for prefix in _PREFIXES:
         m = prefix.match(line)
@@ -174,14 +177,10 @@ _SYMBOL_WORDS = (
 _INSERT = r"could not insert (?:module )?'?(?:[\w./-]{0,200}/)?"
 
 
-def may_have_evidence(chunk: bytes) -> bool:
-    """Whether ``chunk`` (as read: any case) has an evidence word: one RE2 pass."""
-    return _PREFILTER.search(chunk) is not None
-
-
-def may_have_errors(chunk: bytes) -> bool:
-    """Whether ``chunk`` has an error-looking word (for "what it did see")."""
-    return _ERRORS.search(chunk) is not None
+def may_have_evidence(chunk: bytes | memoryview, *, or_errors: bool = False) -> bool:
+    """Whether ``chunk`` (as read: any case) has an evidence word, or (``or_errors``) an
+    error-looking one ("what it did see" still wants lines): one RE2 pass either way."""
+    return (_PREFILTER_OR_ERRORS if or_errors else _PREFILTER).search(chunk) is not None
 
 
 @dataclass(frozen=True)
@@ -213,9 +212,31 @@ class Signature:
         text = line[::-1] if self.backward else line
         fast = _FAST.get(self.pattern)
         # ASCII only: RE2's \w, \s, \b are ASCII, Python's take any letter or space.
-        if fast is not None and text.isascii() and fast.search(text) is None:
+        if fast is not None and text.isascii() and fast.regex.search(text.encode()) is None:
             return None  # RE2's superset says no: so does the pattern
         return self.pattern.search(text)
+
+    def fields(self, line: str, encoded: bytes | None) -> tuple[tuple[str, str], ...] | None:
+        """The named groups the pattern matched in ``line`` (None: no match). ``encoded``:
+        the line as ASCII bytes, when it is ASCII; then a pattern RE2 takes as written is
+        searched by RE2 alone (groups and all: RE2 keeps Perl's leftmost-first choice), at
+        a tenth of re's cost on a long line, and the others only where their superset
+        matches."""
+        fast = _FAST.get(self.pattern)
+        if fast is not None and encoded is not None:
+            m = fast.regex.search(encoded[::-1] if self.backward else encoded)
+            if m is None:
+                return None
+            if fast.exact:
+                groups = m.groupdict()
+                return tuple(
+                    (k, v.decode()) for k in fast.names if (v := groups[k.encode()]) is not None
+                )
+        text = line[::-1] if self.backward else line
+        found = self.pattern.search(text)
+        if found is None:
+            return None
+        return tuple((k, v) for k, v in found.groupdict().items() if v is not None)
 
     def found_in(self, line: str, low: str) -> bool:
         return self.match(line, low) is not None
@@ -543,24 +564,6 @@ SIGNATURES: tuple[Signature, ...] = (
 _BY_NAME = {s.name: s for s in SIGNATURES}
 
 
-def _needs_set() -> tuple[Any, list[list[int]]]:
-    """Every signature's ``needs`` words in one RE2 set (a line's words in one pass, where
-    ~60 substring tests of a 4 KiB line took ~270 µs: 9 µs), and for each word the
-    signatures (by index, in table order) that need it."""
-    words: dict[str, list[int]] = {}
-    for i, sig in enumerate(SIGNATURES):
-        for word in sig.needs:
-            words.setdefault(word, []).append(i)
-    needs = re2.Set.SearchSet()
-    for word in words:
-        needs.Add(re2.escape(word))
-    needs.Compile()
-    return needs, list(words.values())
-
-
-_NEEDS, _NEEDED_BY = _needs_set()
-
-
 def superset(pattern: str) -> str:
     """``pattern`` loosened into what RE2 takes: possessive quantifiers and atomic groups made
     plain, lookarounds dropped. Every line the pattern matches, this matches (each change
@@ -614,17 +617,27 @@ def _escaped(out: list[str]) -> bool:
     return len(out[-1]) == 2 and out[-1].startswith("\\")
 
 
-def _fast(pattern: re.Pattern[str]) -> Any:
+@dataclass(frozen=True)
+class _Fast:
+    """A signature's pattern for RE2, over a line's ASCII bytes."""
+
+    regex: Any
+    exact: bool  # the pattern as written (no construct loosened): RE2's match is the match
+    names: tuple[str, ...]  # its named groups in the pattern's order (re's groupdict's)
+
+
+def _fast(pattern: re.Pattern[str]) -> _Fast | None:
     try:
         text = superset(pattern.pattern)
         flags = "(?i)" if pattern.flags & re.IGNORECASE else ""
         flags += "(?m)" if pattern.flags & re.MULTILINE else ""
-        return re2.compile(flags + text)
+        names = tuple(sorted(pattern.groupindex, key=pattern.groupindex.__getitem__))
+        return _Fast(re2.compile((flags + text).encode()), text == pattern.pattern, names)
     except (ValueError, re2.error):
         return None  # searched with re alone
 
 
-# Each signature's RE2 superset, where there is one (by pattern).
+# Each signature's RE2 form, where there is one (by pattern).
 _FAST = {s.pattern: f for s in SIGNATURES if (f := _fast(s.pattern)) is not None}
 
 # Cheap before any per-line work: a chunk without one of these words (in any case) has no
@@ -668,11 +681,62 @@ PREFILTER_WORDS = (
 # lines (bench/explain.py's normal log): the 30 substring tests of bytes.lower() ran at
 # ~78 MB/s, pyahocorasick's Aho-Corasick at ~76 (its per-character walk), RE2 at ~520.
 _PREFILTER = re2.compile(b"(?i)" + b"|".join(re.escape(w) for w in PREFILTER_WORDS))
-_ERRORS = re2.compile(b"(?i)error|fail")
+_PREFILTER_OR_ERRORS = re2.compile(_PREFILTER.pattern + b"|error|fail")
 
 # Module names a line that is no evidence names ("what it did see"); each has one of the words.
-_MODULES = re.compile(r"\b(nvidia\w*|nv_peer_mem|mlx5_\w+|ib_\w+|rdma\w*|rpcrdma|nvme_rdma)\b")
+_MODULE_NAME = r"(nvidia\w*|nv_peer_mem|mlx5_\w+|ib_\w+|rdma\w*|rpcrdma|nvme_rdma)\b"
+# Searched by re without the leading \b, which it checks itself (_module_names): a pattern
+# that opens with a group of letters lets re skip every position without one of them
+# (7x faster on a 4 KiB line of none); RE2 finds the first (one DFA pass) on ASCII.
+_MODULES = re.compile(_MODULE_NAME)
+_FIRST_MODULE = re2.compile(rb"\b" + _MODULE_NAME.encode())
 _MODULE_WORDS = ("nvidia", "nv_peer", "mlx5_", "ib_", "rdma")
+
+
+def _module_names(low: str, encoded: bytes | None) -> Iterator[str]:
+    """The module names in the lower-cased line ``low`` (``encoded``: the line's ASCII
+    bytes, when it is ASCII), each one a whole word."""
+    pos = 0
+    if encoded is not None:
+        first = _FIRST_MODULE.search(encoded.lower())
+        if first is None:
+            return
+        pos = first.start()
+    for m in _MODULES.finditer(low, pos):
+        # no word character before it: the \b the pattern leaves out (inside a name
+        # there is no boundary, so no whole-word name is skipped by taking this one)
+        if m.start() == 0 or not (low[m.start() - 1].isalnum() or low[m.start() - 1] == "_"):
+            yield m.group(1)
+
+
+# What a line's words say, besides which signatures to search: an error-looking line,
+# a line naming modules ("what it did see").
+_ERROR_LINE, _MODULE_LINE = -1, -2
+
+
+def _words_set() -> tuple[Any, list[list[int]]]:
+    """Every signature's ``needs`` words, ``error``/``fail`` and the module words in one
+    case-blind RE2 set: a line's words in one pass, where ~70 substring tests of a 4 KiB
+    line took ~300 µs (9 µs); and for each word the signatures (by index, in table order)
+    that need it, or ``_ERROR_LINE``/``_MODULE_LINE``."""
+    words: dict[str, list[int]] = {}
+    for i, sig in enumerate(SIGNATURES):
+        for word in sig.needs:
+            words.setdefault(word, []).append(i)
+    for word in ("error", "fail"):
+        words.setdefault(word, []).append(_ERROR_LINE)
+    for word in _MODULE_WORDS:
+        words.setdefault(word, []).append(_MODULE_LINE)
+    options = re2.Options()
+    options.case_sensitive = False  # the words are lower-case: as `in` of the line lowered
+    found = re2.Set.SearchSet(options)
+    for word in words:
+        found.Add(re2.escape(word).encode())
+    found.Compile()
+    return found, list(words.values())
+
+
+_WORDS, _WORD_MEANS = _words_set()
 
 MODES = ("operator-peermem", "operator-peermem-dm09", "host-mofed", "dma-buf")
 HOLD_MODES = ("operator-peermem-hold", "operator-peermem-dm09-hold")
@@ -1079,24 +1143,26 @@ class Explainer:
         elif state.stamp is not None and lineno - state.line <= INHERIT_LINES:
             stamp = state.stamp
         text = line if line.isascii() else line.translate(_TYPOGRAPHIC)
-        low = text.lower()
-        present = _NEEDS.Match(low) or ()  # which signatures' words are in it: one pass
-        for i in sorted({i for word in present for i in _NEEDED_BY[word]}):
+        # An ASCII line is read by RE2 as bytes (the wrapper's own str handling doubles
+        # its cost); another is lower-cased for the set, as `in` tests read it before.
+        encoded = text.encode() if text.isascii() else None
+        present = _WORDS.Match(encoded if encoded is not None else text.lower()) or ()
+        means = {i for word in present for i in _WORD_MEANS[word]}
+        for i in sorted(i for i in means if i >= 0):  # table order: the first form wins
             sig = SIGNATURES[i]
-            m = sig.search(text)
-            if m is None:
+            fields = sig.fields(text, encoded)
+            if fields is None:
                 continue
-            fields = tuple((k, v) for k, v in m.groupdict().items() if v is not None)
             found = self.nodes.setdefault(node, Found())
             found.add(Evidence(file, lineno, line, sig.name, stamp, fields))
             return
-        if ("error" in low or "fail" in low) and len(self.errors) < 5:
+        if _ERROR_LINE in means and len(self.errors) < 5:
             self.errors.append(Evidence(file, lineno, line, ""))
-        if len(self.modules) < 20 and any(word in low for word in _MODULE_WORDS):
+        if _MODULE_LINE in means and len(self.modules) < 20:
             # At most 20 names read of a line: one of 4096 characters can name a thousand
             # (or one module a thousand times, which never fills the set).
-            for mod in itertools.islice(_MODULES.finditer(low), 20):
-                self.modules.add(mod.group(1))
+            for name in itertools.islice(_module_names(text.lower(), encoded), 20):
+                self.modules.add(name)
                 if len(self.modules) >= 20:
                     break
 

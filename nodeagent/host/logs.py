@@ -19,31 +19,36 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from nodeagent.core.explain import LINE_MAX, Explainer, may_have_errors, may_have_evidence
+from nodeagent.core.explain import LINE_MAX, Explainer, may_have_evidence
 from nodeagent.host.bundle import gunzipped, is_tar_name, open_regular, walk
 
 CHUNK = 1 << 20
 
 
 def lines_of(
-    fh: IO[bytes], wanted: Callable[[bytes], bool], total: list[int] | None = None
+    fh: IO[bytes],
+    wanted: Callable[[memoryview], bool],
+    total: list[int] | None = None,
 ) -> Iterator[tuple[int, str]]:
     """(line number, text) of the lines in chunks ``wanted`` says may matter; ``total``
     gets every line counted, skipped or not. A line is cut at LINE_MAX: what is held of
-    an unfinished line never grows past that."""
+    an unfinished line never grows past that. A skipped chunk is looked at in place (a
+    view, no copy of its megabyte)."""
     lineno = 0
     tail = b""
     while chunk := fh.read(CHUNK):
-        data = tail + chunk
+        data = tail + chunk if tail else chunk
         end = data.rfind(b"\n")
         if end < 0:
             tail = data[:LINE_MAX]  # an overlong line: its start is all that is kept
             continue
-        body, tail = data[: end + 1], data[end + 1 :][:LINE_MAX]
-        if not wanted(body):
-            lineno += body.count(b"\n")
+        tail = data[end + 1 :][:LINE_MAX]
+        if not wanted(memoryview(data)[: end + 1]):
+            lineno += data.count(b"\n", 0, end + 1)
             continue
-        for raw in body.split(b"\n")[:-1]:
+        lines = data.split(b"\n")
+        lines.pop()  # what follows the last newline: the tail
+        for raw in lines:
             lineno += 1
             yield lineno, raw[:LINE_MAX].decode("utf-8", errors="replace")
     if tail:
@@ -111,9 +116,9 @@ def _is_dir(path: str) -> bool:
         return False
 
 
-def _wanted(chunk: bytes, ex: Explainer) -> bool:
+def _wanted(chunk: memoryview, ex: Explainer) -> bool:
     """Split into lines only a chunk with evidence, or error lines still wanted."""
-    return may_have_evidence(chunk) or (len(ex.errors) < 5 and may_have_errors(chunk))
+    return may_have_evidence(chunk, or_errors=len(ex.errors) < 5)
 
 
 def _open(path: str) -> IO[bytes]:
