@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="log files (a .gz too), directories or .tar[.gz|.xz] bundles (default: stdin)",
     )
     explain.add_argument("--json", action="store_true", help="one JSON object: incidents")
+    explain.add_argument(
+        "--max-read",
+        type=_byte_size,
+        metavar="SIZE",
+        help="what one bundle or .gz log may give, decompressed (e.g. 64G; default: 200 "
+        "times its size on disk, at least 256M, at most 32G)",
+    )
 
     sim = sub.add_parser(
         "simulate", help="replay the seed incidents on a simulated node", add_help=False
@@ -146,7 +153,7 @@ def _main(argv: list[str]) -> int:
     except SystemExit as exc:  # --help/--version (0) or a usage error already printed (2)
         return int(exc.code or 0) if isinstance(exc.code, int | None) else EXIT_USAGE
     if args.command == "explain":  # reads logs, not the node: no config
-        return cmd_explain(args.files, args.json)
+        return cmd_explain(args.files, args.json, args.max_read)
     try:
         _check_config_file(args.config)
         cfg = load_config(
@@ -226,13 +233,27 @@ def cmd_run(cfg: Config, once: bool, log_level: str) -> int:
     return 0
 
 
-def cmd_explain(files: list[str], as_json: bool) -> int:
+def _byte_size(text: str) -> int:
+    """``64G``, ``500M``, ``4096``: a positive number of bytes (K, M, G, T: powers of 1024)."""
+    shifts = {"K": 10, "M": 20, "G": 30, "T": 40}
+    unit = text[-1:].upper()
+    number = text[:-1] if unit in shifts else text
+    try:
+        value = int(float(number) * (1 << shifts.get(unit, 0)))
+    except ValueError:
+        value = 0
+    if value <= 0 or not number.replace(".", "", 1).isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (like 64G, 500M or 4096)")
+    return value
+
+
+def cmd_explain(files: list[str], as_json: bool, max_read: int | None = None) -> int:
     """Exit 0 whatever was recognised; 2 when no input could be read at all."""
     from nodeagent.core.explain import Explainer
     from nodeagent.host.logs import explain_inputs
 
     ex = Explainer()
-    read, problems = explain_inputs(files, ex)
+    read, problems = explain_inputs(files, ex, max_read)
     for p in problems:
         print(f"nodeagent explain: {safe(p)}", file=sys.stderr)
     if read == 0:

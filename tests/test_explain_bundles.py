@@ -383,3 +383,126 @@ def test_a_bundle_s_logs_share_one_decompressed_budget(tmp_path: Path) -> None:
     assert out["logs"] == 2 and sum(fed.values()) == 1 << 20
     (said,) = problems
     assert said.startswith(f"{top}: 1 MiB decompressed read in 2 logs") and "rest not read" in said
+
+
+STORAGE_LINE = "Storage modules are loaded for current driver\n"
+PLAIN = b"2026-11-28T10:00:00Z kubelet: a line of ordinary log text, nothing in it\n"
+
+
+def gzip_bomb(streams: int) -> bytes:
+    """``streams`` gzip streams one after another (as nvidia-bug-report appends them), each
+    8 MiB of log lines in ~30 KB: read through gzip, 8 MiB times ``streams``."""
+    return gzip.compress(PLAIN * ((8 << 20) // len(PLAIN)), 9) * streams
+
+
+def test_a_small_bundle_of_nested_compressed_logs_reads_its_budget_and_stops(
+    tmp_path: Path,
+) -> None:
+    """Issue 56: a ~100 KB bundle of .gz logs in a .tar.gz, each 800 MiB decompressed, read
+    for minutes (only 32 GiB bounded it). The bundle gives at most 200 times its size on
+    disk (at least 256 MiB): one line says what was read, and the report so far is there."""
+    top = tmp_path / "must-gather"
+    files: dict[str, bytes | str] = {"mofed.log": STORAGE_LINE}
+    for i in range(4):
+        files[f"n{i}/kubelet.log.gz"] = gzip_bomb(100)
+    bundle = tar(write(top, files), tmp_path / "must-gather.tar.gz")
+    assert bundle.stat().st_size < 400_000  # 3.2 GiB of logs inside
+    doc, p = explain(str(bundle))  # its timeout (120 s) is the hang detector
+    assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"]
+    (said,) = p.stderr.splitlines()
+    assert said.startswith(f"nodeagent explain: {bundle}: 256 MiB decompressed read in 2 logs")
+    assert said.endswith("the rest not read (--max-read to read more)")
+    assert doc["bundles"][0]["logs"] == 2
+
+
+def test_max_read_sets_the_budget_and_a_bad_value_is_one_line(tmp_path: Path) -> None:
+    top = tmp_path / "bundle"
+    bundle = tar(write(top, {"a.log.gz": gzip_bomb(2), "b.log": STORAGE_LINE}), tmp_path / "b.tgz")
+    doc, p = explain("--max-read", "1M", str(bundle))
+    assert doc["incidents"] == []  # b.log comes after the 1 MiB a.log.gz gives
+    assert "1 MiB decompressed read in 1 logs" in p.stderr
+    doc, p = explain("--max-read", "1G", str(bundle))
+    assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"] and not p.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "nodeagent", "explain", "--max-read", "lots", str(bundle)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "'lots' is not a size" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+class Zeros(io.RawIOBase):
+    """``n`` zero bytes, read in pieces (never all held)."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), self.left)
+        buf[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+def test_a_tar_whose_members_give_more_than_the_budget_stops_reading_the_stream(
+    tmp_path: Path,
+) -> None:
+    """A tar is read as a stream, so a member is read through to reach the next one: a
+    300 MiB member of zeros in a ~300 KB .tar.gz (JSON, not a log: never fed) is where the tar
+    stops, said in one line; the log before it was read."""
+    bundle = tmp_path / "bundle.tar.gz"
+    with tarfile.open(bundle, "w:gz", compresslevel=9) as t:
+        first = tarfile.TarInfo("bundle/mofed.log")
+        first.size = len(STORAGE_LINE)
+        t.addfile(first, io.BytesIO(STORAGE_LINE.encode()))
+        big = tarfile.TarInfo("bundle/nodes.json")
+        big.size = 300 << 20
+        t.addfile(big, Zeros(big.size))
+        last = tarfile.TarInfo("bundle/after.log")
+        last.size = len(EINVAL) + 1
+        t.addfile(last, io.BytesIO(EINVAL.encode() + b"\n"))
+    assert bundle.stat().st_size < 2_000_000
+    doc, p = explain(str(bundle))
+    assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"]
+    said, *more = p.stderr.splitlines()
+    assert not more, p.stderr
+    assert "its members give more than 256 MiB decompressed" in said
+    assert "read up to bundle/nodes.json, the rest not read" in said
+
+
+def test_a_gz_log_reads_its_budget_and_says_so(tmp_path: Path) -> None:
+    """A .gz log given by name: 200 times its size on disk at least 256 MiB, as a bundle."""
+    log = tmp_path / "kubelet.log.gz"
+    log.write_bytes(gzip.compress(STORAGE_LINE.encode()) + gzip_bomb(40))
+    doc, p = explain(str(log))
+    assert [i["kind"] for i in doc["incidents"]] == ["storage-blocks-mofed"]
+    (said,) = p.stderr.splitlines()
+    assert said == (
+        f"nodeagent explain: {log}: 256 MiB decompressed read, its budget; the rest not "
+        "read (--max-read to read more)"
+    )
+
+
+def test_the_read_budget_is_200_times_the_size_on_disk_between_256_mib_and_32_gib(
+    tmp_path: Path,
+) -> None:
+    from nodeagent.host.bundle import BUNDLE_MAX, READ_FLOOR, read_budget, walk
+
+    assert read_budget(0) == READ_FLOOR == 256 << 20
+    assert read_budget(10 << 20) == 2000 << 20
+    assert read_budget(1 << 40) == BUNDLE_MAX == 32 << 30
+    # a directory's size on disk is its files' together: ~1.6 MB of gzip streams giving
+    # 440 MiB, a budget of ~300 MiB (the ratio's, above the floor)
+    top = tmp_path / "dir"
+    top.mkdir()
+    (top / "mofed.log").write_text(STORAGE_LINE)
+    (top / "n2.log.gz").write_bytes(gzip_bomb(55))
+    problems: list[str] = []
+    walk(str(top), lambda label, fh, node: fh.read(), problems)
+    (said,) = problems
+    budget = read_budget(sum(f.stat().st_size for f in top.iterdir()))
+    assert 256 << 20 < budget < 440 << 20
+    assert said.startswith(f"{top}: {budget / (1 << 20):.3g} MiB decompressed read in 2 logs")

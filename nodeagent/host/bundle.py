@@ -31,6 +31,12 @@ FILES_MAX = 200_000  # files looked at in one bundle
 # What one bundle gives at most, decompressed, all its logs together: a small bundle of
 # many compressed members each under MEMBER_MAX would otherwise read for hours.
 BUNDLE_MAX = 32 << 30
+# ... and at most RATIO times what it holds on disk (never less than READ_FLOOR): one
+# gzip layer gives at most ~1032 times its size, logs 5-50 times; only layers inside
+# layers (a .gz in a .tar.gz, repeated gzip streams) give more, and a 1 MB bundle that
+# gives 128 GiB is a bomb, not a must-gather. `explain --max-read` sets it by hand.
+RATIO = 200
+READ_FLOOR = 256 << 20
 DEPTH_MAX = 64  # directory levels read under a bundle's top (must-gathers use ~12)
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2")
 
@@ -41,7 +47,7 @@ def is_tar_name(path: str) -> bool:
     return path.lower().endswith(TAR_SUFFIXES)
 
 
-class _Capped(io.RawIOBase):
+class Capped(io.RawIOBase):
     """At most ``limit`` bytes of ``inner``; ``cut`` says whether more were there."""
 
     def __init__(self, inner: IO[bytes], limit: int) -> None:
@@ -67,23 +73,39 @@ def gunzipped(fh: IO[bytes], name: str) -> IO[bytes]:
     return fh
 
 
+def read_budget(on_disk: int) -> int:
+    """What a bundle or a compressed log of ``on_disk`` bytes may give, decompressed."""
+    return min(BUNDLE_MAX, max(READ_FLOOR, RATIO * on_disk))
+
+
+def size_text(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} B"
+
+
 def walk(
-    path: str, feed: Feed, problems: list[str], *, budget: int = BUNDLE_MAX
+    path: str, feed: Feed, problems: list[str], *, budget: int | None = None
 ) -> dict[str, object]:
     """Feed every log of the bundle at ``path`` (a directory or a tar); what it was.
-    ``budget``: the decompressed bytes all its logs may give together; once spent, the
-    rest is not read, said in one line with what was."""
+    ``budget``: the decompressed bytes all its logs may give together (by default
+    ``read_budget`` of its size on disk); once spent, the rest is not read, said in one
+    line with what was."""
     is_dir = os.path.isdir(path)  # the top as named (a link to it followed); nothing inside
-    listed = list(_dir_files(path, problems)) if is_dir else []
+    sizes: dict[str, int] = {}
+    listed = list(_dir_files(path, problems, sizes)) if is_dir else []
+    if budget is None:
+        budget = read_budget(sum(sizes.values()) if is_dir else _size(path))
 
-    def members() -> Iterator[tuple[str, IO[bytes]]]:
-        return _dir_open(path, listed) if is_dir else _tar_members(path)
+    def members(said: list[str] | None = None) -> Iterator[tuple[str, IO[bytes]]]:
+        return _dir_open(path, listed) if is_dir else _tar_members(path, budget, said)
 
     # first pass: every name, and the node map from the small files (a tar is read
     # twice in all, as a stream each time)
     names: list[str] = list(listed)
     nodes = NodeMap()
-    small = _dir_open(path, [n for n in listed if is_map_file(n)]) if is_dir else members()
+    small = _dir_open(path, [n for n in listed if is_map_file(n)]) if is_dir else members(problems)
     for name, fh in small:
         if not is_dir:
             names.append(name)
@@ -96,7 +118,7 @@ def walk(
         if not is_log(name):
             continue
         node = nodes.node_of(name)
-        capped = _Capped(gunzipped(fh, name), min(MEMBER_MAX, left))
+        capped = Capped(gunzipped(fh, name), min(MEMBER_MAX, left))
         label = os.path.join(path, name) if is_dir else f"{path}:{name}"
         try:
             feed(label, io.BufferedReader(capped), node)
@@ -108,8 +130,8 @@ def walk(
         logs += 1
         if left <= 0:
             problems.append(
-                f"{path}: {budget >> 20} MiB decompressed read in {logs} logs, the bundle's "
-                f"budget, up to {label}; the rest not read"
+                f"{path}: {size_text(budget)} decompressed read in {logs} logs, the bundle's "
+                f"budget, up to {label}; the rest not read (--max-read to read more)"
             )
             if node:
                 seen_nodes.add(node)
@@ -121,10 +143,17 @@ def walk(
     return {"bundle": path, "kind": bundle_kind(names), "logs": logs, "nodes": sorted(seen_nodes)}
 
 
-def _dir_files(top: str, problems: list[str]) -> Iterator[str]:
-    """Regular files under ``top`` (relative, sorted), no link followed, at most
-    ``DEPTH_MAX`` levels down (``os.walk`` recurses: a planted tree 1,500 levels deep
-    was a ``RecursionError``)."""
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _dir_files(top: str, problems: list[str], sizes: dict[str, int]) -> Iterator[str]:
+    """Regular files under ``top`` (relative, sorted; ``sizes`` gets each one's), no link
+    followed, at most ``DEPTH_MAX`` levels down (``os.walk`` recurses: a planted tree
+    1,500 levels deep was a ``RecursionError``)."""
     count = 0
     base = top.rstrip(os.sep).count(os.sep)
     for here, dirs, files in os.walk(top, followlinks=False):
@@ -135,15 +164,18 @@ def _dir_files(top: str, problems: list[str]) -> Iterator[str]:
         for f in sorted(files):
             full = os.path.join(here, f)
             try:
-                if not stat.S_ISREG(os.lstat(full).st_mode):
-                    continue
+                st = os.lstat(full)
             except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
                 continue
             count += 1
             if count > FILES_MAX:
                 problems.append(f"{top}: more than {FILES_MAX} files; the rest not read")
                 return
-            yield os.path.relpath(full, top)
+            name = os.path.relpath(full, top)
+            sizes[name] = st.st_size
+            yield name
 
 
 def open_regular(path: str, *, follow: bool = True) -> IO[bytes]:
@@ -170,20 +202,27 @@ def _dir_open(top: str, names: list[str]) -> Iterator[tuple[str, IO[bytes]]]:
             yield name, fh
 
 
-def _tar_members(path: str) -> Iterator[tuple[str, IO[bytes]]]:
-    """(name, stream) of each regular member, read as a stream: never extracted."""
+def _tar_members(path: str, budget: int, said: list[str] | None) -> Iterator[tuple[str, IO[bytes]]]:
+    """(name, stream) of each regular member, read as a stream: never extracted. A
+    stream is read through to reach the next member, so the tar itself gives at most
+    ``budget`` bytes: the member that crosses it is the last (``said`` gets one line)."""
     with open_regular(path) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
-        count = 0
-        for member in tar:
-            count += 1
+        for count, member in enumerate(tar, 1):
             if count > FILES_MAX:
+                if said is not None:
+                    said.append(f"{path}: more than {FILES_MAX} members; the rest not read")
                 return
-            if not member.isreg():
-                continue
-            fh = tar.extractfile(member)
-            if fh is None:
-                continue
             name = member.name.removeprefix("./")
-            yield name, fh
-            with contextlib.suppress(OSError):
-                fh.close()
+            fh = tar.extractfile(member) if member.isreg() else None
+            if fh is not None:
+                yield name, fh
+                with contextlib.suppress(OSError):
+                    fh.close()
+            if member.offset_data + member.size > budget:
+                if said is not None:
+                    said.append(
+                        f"{path}: its members give more than {size_text(budget)} "
+                        f"decompressed, the bundle's budget; read up to {name}, the rest "
+                        "not read (--max-read to read more)"
+                    )
+                return

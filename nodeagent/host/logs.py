@@ -10,6 +10,7 @@ support bundle (host/bundle.py).
 
 from __future__ import annotations
 
+import io
 import lzma
 import os
 import stat
@@ -20,7 +21,15 @@ from collections.abc import Callable, Iterator
 from typing import IO
 
 from nodeagent.core.explain import LINE_MAX, Explainer, may_have_evidence
-from nodeagent.host.bundle import gunzipped, is_tar_name, open_regular, walk
+from nodeagent.host.bundle import (
+    Capped,
+    gunzipped,
+    is_tar_name,
+    open_regular,
+    read_budget,
+    size_text,
+    walk,
+)
 
 CHUNK = 1 << 20
 
@@ -58,10 +67,13 @@ def lines_of(
         total[0] += lineno
 
 
-def explain_inputs(paths: list[str], ex: Explainer) -> tuple[int, list[str]]:
+def explain_inputs(
+    paths: list[str], ex: Explainer, max_read: int | None = None
+) -> tuple[int, list[str]]:
     """Feed every input to ``ex``: a log file, stdin, a ``.gz`` log, or a support bundle
     (a directory or a tar: host/bundle.py); (inputs read, one problem line per input
-    not read or read in part)."""
+    not read or read in part). ``max_read``: what one bundle or ``.gz`` log may give,
+    decompressed (default: ``read_budget`` of its size on disk)."""
     read = 0
     problems: list[str] = []
 
@@ -77,7 +89,7 @@ def explain_inputs(paths: list[str], ex: Explainer) -> tuple[int, list[str]]:
         if path != "-" and (is_tar_name(path) or _is_dir(path)):
             before = started[0]
             try:
-                ex.bundles.append(walk(path, feed, problems))
+                ex.bundles.append(walk(path, feed, problems, budget=max_read))
                 read += 1
             except (OSError, tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as exc:
                 # an archive that gave no line was not read (all unread: exit 2)
@@ -91,7 +103,17 @@ def explain_inputs(paths: list[str], ex: Explainer) -> tuple[int, list[str]]:
             problems.append(f"{name}: {exc.strerror or exc}; not read")
             continue
         try:
-            feed(name, gunzipped(fh, path))
+            if path != "-" and path.lower().endswith(".gz"):
+                budget = max_read or read_budget(os.fstat(fh.fileno()).st_size)
+                capped = Capped(gunzipped(fh, path), budget)
+                feed(name, io.BufferedReader(capped))
+                if capped.cut:
+                    problems.append(
+                        f"{name}: {size_text(budget)} decompressed read, its budget; "
+                        "the rest not read (--max-read to read more)"
+                    )
+            else:
+                feed(name, fh)
             read += 1
         except (OSError, EOFError) as exc:
             problems.append(f"{name}: {_why(exc)}; read in part")
