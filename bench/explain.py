@@ -15,7 +15,11 @@ openibd's ``Unloading `` repeated before ``[FAILED]``, ``mlx5_ib: `` repeated be
 ``Unknown symbol``, a failed insert's path of 2000 directories. Its rate is
 printed next to the normal one: they must be of the same order.
 
-    .venv/bin/python bench/explain.py [--size 1G] [--runs 3] [--against DIR]
+Last, a must-gather ``.tar.gz`` of ``--nodes`` nodes and of a tenth of them (each driver
+pod's log 60 failed loads of 4 KB: the shape that made memory grow with the node count):
+its time and peak RSS.
+
+    .venv/bin/python bench/explain.py [--size 1G] [--runs 3] [--against DIR] [--nodes 400]
 
 Each figure is the median of ``--runs`` runs. ``--against DIR`` (a checkout of an older
 commit: ``git worktree add DIR <commit>``) runs that code the same way, alternated run by
@@ -25,11 +29,13 @@ run with this one, and prints both and their ratio: the machine's noise hits bot
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
@@ -81,6 +87,31 @@ def make_log(path: Path, n: int, hostile: bool = False) -> None:
         fh.write(EVIDENCE)
 
 
+def make_bundle(path: Path, nodes: int, lines: int = 60) -> None:
+    """A GPU Operator must-gather (hack/must-gather.sh's flat layout) of ``nodes`` nodes."""
+    row = "{:<32}{:<8}{:<19}{:<11}{:<6}{:<11}{:<12}{:<17}{}"
+    status = [row.format("NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE",
+                         "NOMINATED NODE", "READINESS GATES")]  # fmt: skip
+    einval = "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument"
+    with tarfile.open(path, "w:gz") as t:
+
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(f"must-gather/{name}")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+        for n in range(nodes):
+            pod = f"nvidia-driver-daemonset-{n:05d}"
+            status.append(
+                row.format(pod, "1/2", "CrashLoopBackOff", "7", "1h", "10.0.0.1",
+                           f"gpu-{n:04d}", "<none>", "<none>")
+            )  # fmt: skip
+            pre = f"[pod/{pod}/nvidia-driver-ctr] 2026-11-21T12:00:00.5Z {einval} "
+            body = "".join(f"{pre}{i:06d} {'x' * 3900}\n" for i in range(lines))
+            add(f"gpu_operand_pod_{pod}.log", body.encode())
+        add("gpu_operand_pods.status", ("\n".join(status) + "\n").encode())
+
+
 def run(path: Path, code: Path) -> tuple[float, float, list[str]]:
     """One ``nodeagent explain --json`` of ``path`` with the package under ``code``: its
     wall time, its own peak RSS (MiB; GNU time's, not the children's maximum so far), the
@@ -103,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--size", default="1G")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--against", type=Path, help="a checkout of the code to compare with")
+    ap.add_argument("--nodes", type=int, default=400, help="the bundle's node count")
     args = ap.parse_args(argv)
     print(f"$ .venv/bin/python bench/explain.py {' '.join(argv or sys.argv[1:])}".rstrip())
     codes = {"this": REPO}
@@ -136,6 +168,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "against" in rates:
                     print(f"        this/against rate: {rates['this'] / rates['against']:.2f}")
                 log.unlink()
+        for nodes in (args.nodes // 10, args.nodes):
+            bundle = Path(tmp) / "must-gather.tar.gz"
+            make_bundle(bundle, nodes)
+            for name, code in codes.items():
+                runs = [run(bundle, code) for _ in range(args.runs)]
+                print(
+                    f"bundle  {nodes} nodes ({bundle.stat().st_size / 1e3:,.0f} KB), {name:7}: "
+                    f"median of {args.runs} {statistics.median(r[0] for r in runs):.1f} s, "
+                    f"peak RSS {statistics.median(r[1] for r in runs):.1f} MiB, "
+                    f"{len(runs[0][2])} incidents"
+                )
+            bundle.unlink()
     return 0
 
 

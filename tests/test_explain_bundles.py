@@ -506,3 +506,67 @@ def test_the_read_budget_is_200_times_the_size_on_disk_between_256_mib_and_32_gi
     budget = read_budget(sum(f.stat().st_size for f in top.iterdir()))
     assert 256 << 20 < budget < 440 << 20
     assert said.startswith(f"{top}: {budget / (1 << 20):.3g} MiB decompressed read in 2 logs")
+
+
+def many_nodes(nodes: int, lines: int) -> dict[str, bytes | str]:
+    """A must-gather of ``nodes`` nodes, each driver pod's log ``lines`` failed loads of
+    4 KB (the adversarial pass's shape: a ~1 MB bundle, 400 nodes, 378 MB peak)."""
+    row = "{:<32}{:<8}{:<19}{:<11}{:<6}{:<11}{:<12}{:<17}{}"
+    status = [row.format("NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE",
+                         "NOMINATED NODE", "READINESS GATES")]  # fmt: skip
+    files: dict[str, bytes | str] = {}
+    for n in range(nodes):
+        pod = f"nvidia-driver-daemonset-{n:05d}"
+        status.append(
+            row.format(pod, "1/2", "CrashLoopBackOff", "7", "1h", "10.0.0.1", f"gpu-{n:04d}",
+                       "<none>", "<none>")
+        )  # fmt: skip
+        pre = f"[pod/{pod}/nvidia-driver-ctr] 2026-11-21T12:00:00.5Z {EINVAL} "
+        files[f"gpu_operand_pod_{pod}.log"] = "".join(
+            f"{pre}{i:06d} {'x' * 3900}\n" for i in range(lines)
+        )
+    files["gpu_operand_pods.status"] = "\n".join(status) + "\n"
+    return files
+
+
+def peak_rss_mib(*args: str) -> tuple[float, subprocess.CompletedProcess[str]]:
+    """``nodeagent explain --json ARGS`` run by a fresh Python whose only child it is: the
+    child's own peak RSS (RUSAGE_CHILDREN of that parent), and what it printed."""
+    runner = (
+        "import resource, subprocess, sys\n"
+        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "sys.stderr.write(p.stderr)\n"
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+        "print(p.stdout)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", runner, sys.executable, "-m", "nodeagent", "explain", "--json",
+         *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    peak, out = p.stdout.split("\n", 1)
+    return int(peak) / 1024, subprocess.CompletedProcess(p.args, 0, out, p.stderr)
+
+
+def test_a_bundle_of_400_nodes_holds_what_its_report_shows_not_400_times_more(
+    tmp_path: Path,
+) -> None:
+    """Issue 56: memory grew with the node count (each node kept 200 lines of each kind,
+    4 KB each). Past 10,000 lines of a kind each node keeps its share (25 of 400 nodes),
+    a kept line's text is its first 512 characters: the report still names every node,
+    says what was not kept, and the peak stays near the 30 MiB of a small log (the bound
+    here is a leak detector: the old code peaked at ~155 MiB on this bundle)."""
+    bundle = tar(write(tmp_path / "mg", many_nodes(400, 60)), tmp_path / "mg.tar.gz")
+    peak, p = peak_rss_mib(str(bundle))
+    doc = json.loads(p.stdout)
+    assert {i["node"] for i in doc["incidents"]} == {f"gpu-{n:04d}" for n in range(400)}
+    assert {i["kind"] for i in doc["incidents"]} == {"peermem-einval-unexplained"}
+    first = doc["incidents"][0]
+    assert first["notes"] == [
+        "only the first 25 lines of each kind were kept for each of the 400 nodes: what "
+        "later lines of a kind say is not weighed"
+    ]
+    texts = [e["text"] for i in doc["incidents"] for e in i["evidence"]]
+    assert len(texts) == 400 * 8 and all(len(t) == 512 and t.endswith("\u2026") for t in texts)
+    assert peak < 80, f"peak RSS {peak:.0f} MiB"

@@ -50,6 +50,10 @@ SAME_LOAD_S = 2.0  # or stamped this near it
 INHERIT_LINES = 10  # a line without a time takes its file's last one, this near
 WINDOW_SLACK_S = 5.0  # around a restart window: the two tools' clocks and flushes
 KEEP = 200  # evidence lines kept per signature and node (for the rules; bounded)
+# ... and per signature over all nodes: past it each node keeps its share, at least SHOW,
+# so a bundle of 400 nodes holds what its report shows, not 400 times KEEP lines
+KEEP_TOTAL = 10_000
+EVIDENCE_TEXT = 512  # what is kept of an evidence line's text (the report quotes it)
 SHOW = 8  # evidence lines shown per incident
 
 _MONTH_NAMES = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
@@ -92,7 +96,7 @@ _INLINE_TIMES = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Stamp:
     """A time a line said: ``clock`` "wall" (seconds into the year) or "boot"."""
 
@@ -886,7 +890,7 @@ INCIDENTS: tuple[Incident, ...] = (
 _KINDS = {i.kind: i for i in INCIDENTS}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Evidence:
     file: str
     line: int
@@ -904,11 +908,21 @@ class Found:
     """One node's evidence, by signature name."""
 
     by_sig: dict[str, list[Evidence]] = field(default_factory=dict)
+    cut: int = 0  # the fewest lines of a kind kept when more were there (0: none cut)
 
-    def add(self, ev: Evidence) -> None:
+    def add(self, ev: Evidence, keep: int = KEEP) -> None:
         got = self.by_sig.setdefault(ev.signature, [])
-        if len(got) < KEEP:
+        if len(got) < keep:
             got.append(ev)
+        else:
+            self.cut = min(self.cut or keep, keep)
+
+    def trim(self, keep: int) -> None:
+        """Each kind's first ``keep`` lines (a bundle's node count grew)."""
+        for name, got in self.by_sig.items():
+            if len(got) > keep:
+                self.by_sig[name] = got[:keep]
+                self.cut = min(self.cut or keep, keep)
 
     def __getitem__(self, name: str) -> list[Evidence]:
         return self.by_sig.get(name, [])
@@ -1014,10 +1028,14 @@ def classify(found: Found) -> list[Finding]:
     """One node's incidents: the rules, in one place."""
     out: dict[str, Finding] = {}
 
+    seen: dict[str, set[Evidence]] = {}  # each finding's evidence, for a look-up in O(1)
+
     def add(kind: str, *evs: Evidence, note: str = "") -> None:
         f = out.setdefault(kind, Finding(kind))
+        has = seen.setdefault(kind, set())
         for ev in evs:
-            if ev not in f.evidence:
+            if ev not in has:
+                has.add(ev)
                 f.evidence.append(ev)
         if note and note not in f.notes:
             f.notes.append(note)
@@ -1133,6 +1151,7 @@ class Explainer:
     modules: set[str] = field(default_factory=set)
     files: dict[str, _FileState] = field(default_factory=dict)
     bundles: list[dict[str, Any]] = field(default_factory=list)  # what each bundle was
+    texts: dict[str, str] = field(default_factory=dict)  # evidence texts, one of each
 
     def feed(self, file: str, lineno: int, raw: str, node: str = "") -> None:
         self.lines += 1
@@ -1153,11 +1172,13 @@ class Explainer:
             fields = sig.fields(text, encoded)
             if fields is None:
                 continue
-            found = self.nodes.setdefault(node, Found())
-            found.add(Evidence(file, lineno, line, sig.name, stamp, fields))
+            found = self.nodes.get(node)
+            if found is None:
+                found = self._new_node(node)
+            found.add(Evidence(file, lineno, self._kept(line), sig.name, stamp, fields), self.keep)
             return
         if _ERROR_LINE in means and len(self.errors) < 5:
-            self.errors.append(Evidence(file, lineno, line, ""))
+            self.errors.append(Evidence(file, lineno, self._kept(line), ""))
         if _MODULE_LINE in means and len(self.modules) < 20:
             # At most 20 names read of a line: one of 4096 characters can name a thousand
             # (or one module a thousand times, which never fills the set).
@@ -1165,6 +1186,29 @@ class Explainer:
                 self.modules.add(name)
                 if len(self.modules) >= 20:
                     break
+
+    def _new_node(self, node: str) -> Found:
+        before = self.keep
+        found = self.nodes[node] = Found()
+        if self.keep < before:
+            for other in self.nodes.values():
+                other.trim(self.keep)
+        return found
+
+    @property
+    def keep(self) -> int:
+        """Evidence lines kept per signature and node: KEEP, or each node's share of
+        KEEP_TOTAL when the logs cover many nodes, never fewer than the report shows."""
+        return max(SHOW, min(KEEP, KEEP_TOTAL // max(1, len(self.nodes))))
+
+    def _kept(self, line: str) -> str:
+        """The text kept of an evidence line: its first EVIDENCE_TEXT characters, one
+        string for lines that read the same (a CrashLoop's failed load, again and again)."""
+        if len(line) > EVIDENCE_TEXT:
+            line = line[: EVIDENCE_TEXT - 1] + "\u2026"
+        if len(self.texts) < KEEP_TOTAL:
+            return self.texts.setdefault(line, line)
+        return self.texts.get(line, line)
 
     @property
     def found(self) -> dict[str, list[Evidence]]:
@@ -1191,8 +1235,16 @@ class Explainer:
                 }
                 if node:
                     doc["node"] = node
-                if finding.notes:
-                    doc["notes"] = finding.notes
+                notes = list(finding.notes)
+                cut = self.nodes[node].cut
+                if cut:
+                    notes.append(
+                        f"only the first {cut} lines of each kind were kept"
+                        + (f" for each of the {len(self.nodes)} nodes" if cut < KEEP else "")
+                        + ": what later lines of a kind say is not weighed"
+                    )
+                if notes:
+                    doc["notes"] = notes
                 out.append(doc)
         return out
 

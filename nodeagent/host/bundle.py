@@ -14,9 +14,11 @@ any one file gives is cut at ``MEMBER_MAX`` bytes.
 
 from __future__ import annotations
 
+import bz2
 import contextlib
 import gzip
 import io
+import lzma
 import os
 import stat
 import tarfile
@@ -202,11 +204,31 @@ def _dir_open(top: str, names: list[str]) -> Iterator[tuple[str, IO[bytes]]]:
             yield name, fh
 
 
+def _decompressed(raw: IO[bytes]) -> IO[bytes]:
+    """``raw`` read through its compression (by its first bytes), for tarfile's plain
+    stream mode: its own ``r|*`` keeps each decompressed piece and copies what is left of
+    it at every read, so skipping a member of a highly compressed tar read 4 MB/s (a
+    400-node bundle's first pass took 10 s; 1 s so)."""
+    head = raw.read(6)
+    raw.seek(0)
+    if head.startswith(b"\x1f\x8b"):
+        return typing.cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return typing.cast(IO[bytes], lzma.LZMAFile(raw))
+    if head.startswith(b"BZh"):
+        return typing.cast(IO[bytes], bz2.BZ2File(raw))
+    return raw  # a plain tar (closed twice at the end: the second does nothing)
+
+
 def _tar_members(path: str, budget: int, said: list[str] | None) -> Iterator[tuple[str, IO[bytes]]]:
     """(name, stream) of each regular member, read as a stream: never extracted. A
     stream is read through to reach the next member, so the tar itself gives at most
     ``budget`` bytes: the member that crosses it is the last (``said`` gets one line)."""
-    with open_regular(path) as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+    with (
+        open_regular(path) as raw,
+        _decompressed(raw) as plain,
+        tarfile.open(fileobj=plain, mode="r|", bufsize=1 << 16) as tar,
+    ):
         for count, member in enumerate(tar, 1):
             if count > FILES_MAX:
                 if said is not None:
