@@ -249,8 +249,8 @@ def _byte_size(text: str) -> int:
 
 def cmd_explain(files: list[str], as_json: bool, max_read: int | None = None) -> int:
     """Exit 0 whatever was recognised; 2 when no input could be read at all."""
-    from nodeagent.core.explain import Explainer
-    from nodeagent.host.logs import explain_inputs
+    from nodeagent.explain.files import explain_inputs
+    from nodeagent.explain.matcher import Explainer
 
     ex = Explainer()
     read, problems = explain_inputs(files, ex, max_read)

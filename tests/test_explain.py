@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,10 @@ from typing import Any
 
 import pytest
 
-from nodeagent.core.explain import INCIDENTS, SIGNATURES, explain_lines, normalize
+from nodeagent.explain.incidents import INCIDENTS
+from nodeagent.explain.matcher import explain_lines
+from nodeagent.explain.signatures import SIGNATURES
+from nodeagent.explain.stamps import normalize
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 LOGS = SHARED / "real-logs"
@@ -192,3 +196,38 @@ def test_unrelated_failures_are_nothing_recognised_and_listed() -> None:
     doc = explain_lines([("log", lines)])
     assert doc["incidents"] == [] and "ambiguous" not in doc
     assert [e["line"] for e in doc["seen"]["errors"]] == [1, 2]
+
+
+def format_sources() -> set[str]:
+    """The project each signature's words were read from (its source, split at "; "),
+    leaving out the seeds and public reports (an issue or PR: where it was seen, not the
+    format's source)."""
+    out = set()
+    for sig in SIGNATURES:
+        for part in sig.source.split("; "):
+            if part.startswith("seed") or re.search(r" (?:issue|PR) \d+", part):
+                continue
+            out.add(part.split()[0])
+    return out
+
+
+def test_docs_explain_sources_has_every_signature_s_source() -> None:
+    """docs/explain-sources.md, checked against the table: each project a signature's
+    words come from has its place on that page."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "explain-sources.md").read_text()
+    sources = format_sources()
+    assert {"torvalds/linux", "kmod-project/kmod", "MLNX_OFED", "gcc's"} <= sources
+    missing = sorted(s for s in sources if s not in doc)
+    assert not missing, f"docs/explain-sources.md names no {missing}"
+
+
+@needs_shared
+def test_every_seed_a_signature_cites_is_in_the_shared_seeds() -> None:
+    seeds = {f.name[:3] for f in (LOGS.parent / "seeds").glob("*.txt")}
+    cited = set()
+    for sig in SIGNATURES:
+        for part in sig.source.split("; "):
+            if part.startswith("seed"):
+                first, _, last = part.split()[1].partition("-")
+                cited |= {f"{n:03d}" for n in range(int(first), int(last or first) + 1)}
+    assert cited and cited <= seeds, cited - seeds

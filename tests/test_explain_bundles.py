@@ -1,5 +1,5 @@
 """``nodeagent explain DIR|BUNDLE.tar[.gz]``: the operators' support bundles, built here in
-the layouts their scripts write (core/bundle.py cites each), read as a user runs it."""
+the layouts their scripts write (explain/nodes.py cites each), read as a user runs it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from nodeagent.core.bundle import NodeMap, is_log
+from nodeagent.explain.nodes import NodeMap, is_log
 
 EINVAL = "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument"
 DRIVER_POD_1 = "nvidia-driver-daemonset-7xk2p"
@@ -366,7 +366,7 @@ def test_a_bundle_s_logs_share_one_decompressed_budget(tmp_path: Path) -> None:
     """Issue 56: each file was cut at 8 GiB, but many small compressed files together had
     no bound. With a 1 MiB budget, three logs of 600 KiB each: the first read whole, the
     second up to the budget, the third not at all; one line says so."""
-    from nodeagent.host.bundle import walk
+    from nodeagent.explain.walk import walk
 
     top = tmp_path / "bundle"
     top.mkdir()
@@ -489,7 +489,7 @@ def test_a_gz_log_reads_its_budget_and_says_so(tmp_path: Path) -> None:
 def test_the_read_budget_is_200_times_the_size_on_disk_between_256_mib_and_32_gib(
     tmp_path: Path,
 ) -> None:
-    from nodeagent.host.bundle import BUNDLE_MAX, READ_FLOOR, read_budget, walk
+    from nodeagent.explain.walk import BUNDLE_MAX, READ_FLOOR, read_budget, walk
 
     assert read_budget(0) == READ_FLOOR == 256 << 20
     assert read_budget(10 << 20) == 2000 << 20

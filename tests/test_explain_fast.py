@@ -1,4 +1,4 @@
-"""explain's RE2 supersets (``core/explain.py``, ``superset``): before a signature's own
+"""explain's RE2 supersets (``explain/forms.py``, ``superset``): before a signature's own
 pattern is searched, RE2 (one DFA pass) rules out the lines it cannot match. A superset that
 missed a line the pattern matches would lose evidence; each is checked on every line the
 test corpora and the shared logs hold, and on random text built from the patterns' pieces."""
@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.core import explain
-from nodeagent.core.explain import SIGNATURES, Signature, superset
+from nodeagent.explain import forms as explain
+from nodeagent.explain import matcher
+from nodeagent.explain.forms import Signature, superset
+from nodeagent.explain.signatures import SIGNATURES
 from tests import test_explain_words as words
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
@@ -120,6 +122,8 @@ class Spy:
 
     def __init__(self, real: re.Pattern[str], calls: list[str]) -> None:
         self.real, self.calls = real, calls
+        # what a Signature reads of its pattern to make its RE2 form
+        self.pattern, self.flags, self.groupindex = real.pattern, real.flags, real.groupindex
 
     def search(self, text: str) -> re.Match[str] | None:
         self.calls.append(text)
@@ -182,7 +186,7 @@ NAME_PIECES = st.sampled_from(
 
 def module_names(line: str) -> list[str]:
     low = line.lower()
-    return list(explain._module_names(low, low.encode() if low.isascii() else None))
+    return list(matcher._module_names(low, low.encode() if low.isascii() else None))
 
 
 @settings(max_examples=400, deadline=None)

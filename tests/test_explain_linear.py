@@ -17,7 +17,7 @@ takes off, the ANSI codes) is checked two ways:
   restarts inside it.
 - time: hostile lines built from each pattern's own pieces (its literal text
   repeated, long runs of what its repeats take), read as the CLI reads them
-  (host/logs.py, then the explainer), must be done within a bound of seconds
+  (explain/files.py, then the explainer), must be done within a bound of seconds
   where the quadratic forms took 100 times as long: a hang detector, the one
   timed assertion here.
 
@@ -40,16 +40,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeagent.core.explain import (
-    _ANSI,
-    _PREFIXES,
-    LINE_MAX,
-    SIGNATURES,
-    Explainer,
-    Signature,
-    may_have_evidence,
-)
-from nodeagent.host.logs import lines_of
+from nodeagent.explain.files import lines_of
+from nodeagent.explain.forms import Signature
+from nodeagent.explain.matcher import LINE_MAX, Explainer, may_have_evidence
+from nodeagent.explain.signatures import SIGNATURES
+from nodeagent.explain.stamps import _ANSI, _PREFIXES
 
 # ---------------------------------------------------------------- the shape check
 

@@ -1,7 +1,7 @@
 """``nodeagent explain`` on the words of the tools that print them (issue 41): the kernel's
 module loader, kmod, busybox, openibd, the DOCA driver container, the GPU driver
 container and its sidecar, nv_peer_mem's script and unit, each excerpt written from the
-source's format (core/explain.py names the file of each), in every shape a log gives
+source's format (explain/signatures.py names the file of each), in every shape a log gives
 it: kubectl --timestamps, the must-gather's --prefix, dmesg, dmesg -T, journalctl,
 CRLF, ANSI colour. Then the rules that correlate lines, and the families that must stay
 silent."""
@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from nodeagent.core.explain import INCIDENTS, PREFILTER_WORDS, SIGNATURES, explain_lines
+from nodeagent.explain.incidents import INCIDENTS
+from nodeagent.explain.matcher import explain_lines
+from nodeagent.explain.signatures import PREFILTER_WORDS, SIGNATURES
 
 Shape = Callable[[str], str]
 SHAPES: dict[str, Shape] = {

@@ -38,17 +38,42 @@ def imports(path: Path) -> list[str]:
     return names
 
 
+EXPLAIN = CORE.parent / "explain"
+# explain's files that read: the bundle walk and the log files; the rest is pure.
+EXPLAIN_READERS = ("walk.py", "files.py")
+
+
+def pure_files() -> list[Path]:
+    """core/ and explain's matcher, tables and rules: held to one import ban."""
+    explain = [f for f in EXPLAIN.glob("*.py") if f.name not in EXPLAIN_READERS]
+    return sorted(CORE.glob("*.py")) + sorted(explain)
+
+
+def impure_imports(path: Path) -> list[str]:
+    """What ``path`` imports that could do I/O (the ban)."""
+    return [
+        name
+        for name in imports(path)
+        if any(name == x or name.startswith(x + ".") for x in FORBIDDEN)
+    ]
+
+
 def test_core_imports_nothing_that_does_io() -> None:
-    files = sorted(CORE.glob("*.py"))
-    assert len(files) >= 6
+    files = pure_files()
+    assert len(files) >= 12 and EXPLAIN / "matcher.py" in files
     for f in files:
-        for name in imports(f):
-            bad = [x for x in FORBIDDEN if name == x or name.startswith(x + ".")]
-            assert not bad, f"{f.name} imports {name}: the core must stay pure"
+        bad = impure_imports(f)
+        assert not bad, f"{f.relative_to(CORE.parent)} imports {bad}: it must stay pure"
+
+
+def test_the_ban_finds_an_import_that_does_io(tmp_path: Path) -> None:
+    leaky = tmp_path / "leaky.py"
+    leaky.write_text("import re\nfrom os import path\nimport nodeagent.host.fs\n")
+    assert impure_imports(leaky) == ["os", "nodeagent.host.fs"]
 
 
 def test_core_calls_no_open() -> None:
-    for f in sorted(CORE.glob("*.py")):
+    for f in pure_files():
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in ("open", "print", "input"), f"{f.name}: {node.func.id}()"
@@ -246,3 +271,39 @@ def test_the_loop_names_no_guard() -> None:
             assert f'"{name}"' not in text and f"'{name}'" not in text, f"loop/{f.name}: {name}"
         for module in guard_modules() - {"nodeagent.guards.registry"}:
             assert module not in imports(f), f"loop/{f.name} imports {module}"
+
+
+def explain_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows that break explain's place: it reads logs, not the node, so it imports no
+    layer of the agent but core; and only the command line imports it."""
+    bad = []
+    for module, targets in graph.items():
+        for t in targets:
+            if layer_of(module) == "explain" and layer_of(t) not in ("explain", "core"):
+                bad.append(f"{module} -> {t}")
+            if (
+                layer_of(t) == "explain"
+                and layer_of(module) != "explain"
+                and module != ("nodeagent.cli")
+            ):
+                bad.append(f"{module} -> {t}")
+    return sorted(bad)
+
+
+def test_explain_stands_apart() -> None:
+    graph = import_graph()
+    assert "nodeagent.explain.files" in graph["nodeagent.cli"]
+    assert explain_arrows(graph) == []
+
+
+def test_the_explain_check_finds_both_wrong_arrows() -> None:
+    graph = {
+        "nodeagent.explain.walk": {"nodeagent.host.fs"},
+        "nodeagent.loop.agent": {"nodeagent.explain.matcher"},
+        "nodeagent.cli": {"nodeagent.explain.files"},
+        "nodeagent.explain.files": {"nodeagent.explain.walk", "nodeagent.core.names"},
+    }
+    assert explain_arrows(graph) == [
+        "nodeagent.explain.walk -> nodeagent.host.fs",
+        "nodeagent.loop.agent -> nodeagent.explain.matcher",
+    ]

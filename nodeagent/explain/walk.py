@@ -2,7 +2,7 @@
 ``.tar.gz``/``.tgz``, ``.tar.xz``), as the operators' tools write them.
 
 Two passes, memory flat in the bundle's size: the first reads only the small files
-the node map is made from (``core/bundle.py``: pod lists, pod YAML, ``hostname``), the
+the node map is made from (``nodes.py``: pod lists, pod YAML, ``hostname``), the
 second streams every log through the explainer with the node it is about. A tar is
 read as a stream (twice), never extracted: a member's name is only a label. In a
 directory nothing is followed: a symlink, a FIFO or a device is not read, and each
@@ -26,7 +26,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from nodeagent.core.bundle import MAP_FILE_MAX, NodeMap, bundle_kind, is_log, is_map_file
+from nodeagent.explain.nodes import MAP_FILE_MAX, NodeMap, bundle_kind, is_log, is_map_file
 
 MEMBER_MAX = 8 << 30  # what one file gives at most, decompressed (a gzip bomb ends here)
 FILES_MAX = 200_000  # files looked at in one bundle

@@ -1,6 +1,6 @@
 """Support bundles for ``nodeagent explain``: which files are logs, and which node each is
 about. Pure: given paths (relative to the bundle's top) and the text of a few small
-files, it answers; ``host/bundle.py`` walks a directory or a tar and feeds it.
+files, it answers; ``walk.py`` walks a directory or a tar and feeds it.
 
 The layouts, from the scripts that write them (docs/operations.md cites each):
 

@@ -5,7 +5,7 @@ split into lines (while a few error lines are still wanted for "what it did
 see", a chunk with "error" or "fail" in it is split anyway). A line longer than
 ``LINE_MAX`` is cut there; invalid UTF-8 is replaced; a FIFO or a file that cannot
 be read is one line on stderr and the rest are read. A directory or a tar is a
-support bundle (host/bundle.py).
+support bundle (walk.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from nodeagent.core.explain import LINE_MAX, Explainer, may_have_evidence
-from nodeagent.host.bundle import (
+from nodeagent.explain.matcher import LINE_MAX, Explainer, may_have_evidence
+from nodeagent.explain.walk import (
     Capped,
     gunzipped,
     is_tar_name,
@@ -71,7 +71,7 @@ def explain_inputs(
     paths: list[str], ex: Explainer, max_read: int | None = None
 ) -> tuple[int, list[str]]:
     """Feed every input to ``ex``: a log file, stdin, a ``.gz`` log, or a support bundle
-    (a directory or a tar: host/bundle.py); (inputs read, one problem line per input
+    (a directory or a tar: walk.py); (inputs read, one problem line per input
     not read or read in part). ``max_read``: what one bundle or ``.gz`` log may give,
     decompressed (default: ``read_budget`` of its size on disk)."""
     read = 0
