@@ -620,7 +620,7 @@ class Node:
             module_ops=self.module_ops,
             kernel_log=lambda m: [],
             wake_sources=[self.uevents],
-            sriov_ops=self.nic,
+            guard_ports={"sriov": self.nic},
         )
         self.thread = threading.Thread(target=self.agent.run, name="nodeagent", daemon=True)
         self.thread.start()

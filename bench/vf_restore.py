@@ -177,7 +177,7 @@ def run_agent(
         module_ops=k,
         kernel_log=k.kernel_messages,
         wake_sources=[k.uevent_source],
-        sriov_ops=ops,
+        guard_ports={"sriov": ops},
     )
     thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
     thread.start()

@@ -101,7 +101,8 @@ def _numvfs_malformed(pf: PfSnapshot) -> PfSnapshot:
     )
 
 
-# How a read fails -> what the host observer hands over then (host/sriov.py's SriovObserver).
+# How a read fails -> what the host observer hands over then (guards/sriov/observe.py's
+# SriovObserver).
 READ_FAILURES: dict[str, Callable[[PfSnapshot], PfSnapshot]] = {
     "VF settings unreadable": _settings_unread,
     "link dump failed": _links_unread,

@@ -671,7 +671,11 @@ def test_the_agent_records_an_overflow_burst_and_counts_it(tmp_path: Path) -> No
     cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
     host = HoldHost(group=lambda: group, host_pids=lambda: True)
     agent = Agent(
-        cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host, on_record=on_record
+        cfg,
+        module_ops=node.kernel,
+        kernel_log=lambda m: [],
+        guard_ports={"peermem": host},
+        on_record=on_record,
     )
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()

@@ -39,7 +39,11 @@ def fake_hold_agent(
     host = HoldHost(group=lambda: group or OverflowingGroup([]), host_pids=lambda: True)
     on_record = recorded.append if recorded is not None else None
     return Agent(
-        cfg, module_ops=node.kernel, kernel_log=lambda m: [], hold_host=host, on_record=on_record
+        cfg,
+        module_ops=node.kernel,
+        kernel_log=lambda m: [],
+        guard_ports={"peermem": host},
+        on_record=on_record,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parent.parent / "nodeagent" / "core"
@@ -307,3 +308,73 @@ def test_the_explain_check_finds_both_wrong_arrows() -> None:
         "nodeagent.explain.walk -> nodeagent.host.fs",
         "nodeagent.loop.agent -> nodeagent.explain.matcher",
     ]
+
+
+GUARDS_DIR = CORE.parent / "guards"
+# What a wing may import besides itself: the side contract, the host layer, the core.
+WING_MAY_IMPORT = ("nodeagent.guards.side", "nodeagent.errors")
+
+
+def wing_of(module: str) -> str | None:
+    """``nodeagent.guards.<wing>`` for a module of a guard's wing (a folder under
+    guards/), else None."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "guards" and (GUARDS_DIR / parts[2]).is_dir():
+        return ".".join(parts[:3])
+    return None
+
+
+def wing_arrows(graph: dict[str, set[str]], wing: Callable[[str], str | None]) -> list[str]:
+    """Arrows that break a wing's walls: a wing imports only itself, the side contract,
+    host/ and core/ (so no other wing); only the registry and the simulator import one."""
+    bad = []
+    for module, targets in graph.items():
+        mine = wing(module)
+        for t in targets:
+            theirs = wing(t)
+            leaves = mine and theirs != mine and t not in WING_MAY_IMPORT
+            if leaves and layer_of(t) not in ("host", "core"):
+                bad.append(f"{module} -> {t}")
+            if (
+                theirs
+                and theirs != mine
+                and not (module == "nodeagent.guards.registry" or layer_of(module) == "sim")
+            ):
+                bad.append(f"{module} -> {t}")
+    return sorted(bad)
+
+
+def test_a_wing_keeps_to_itself() -> None:
+    graph = import_graph()
+    wings = {w for m in graph if (w := wing_of(m))}
+    assert "nodeagent.guards.sriov" in wings
+    assert wing_arrows(graph, wing_of) == []
+
+
+def test_the_wing_check_finds_each_wrong_arrow() -> None:
+    def wing(module: str) -> str | None:
+        parts = module.split(".")
+        return (
+            ".".join(parts[:3]) if parts[:2] == ["nodeagent", "guards"] and len(parts) > 3 else None
+        )
+
+    graph = {
+        "nodeagent.guards.a.side": {"nodeagent.guards.b.act", "nodeagent.host.fs"},
+        "nodeagent.guards.b.act": {"nodeagent.loop.passes", "nodeagent.core.sriov"},
+        "nodeagent.loop.wiring": {"nodeagent.guards.a.side"},
+        "nodeagent.guards.registry": {"nodeagent.guards.a.side"},
+        "nodeagent.sim.harness": {"nodeagent.guards.b.act"},
+    }
+    assert wing_arrows(graph, wing) == [
+        "nodeagent.guards.a.side -> nodeagent.guards.b.act",
+        "nodeagent.guards.a.side -> nodeagent.guards.b.act",
+        "nodeagent.guards.b.act -> nodeagent.loop.passes",
+        "nodeagent.loop.wiring -> nodeagent.guards.a.side",
+    ]
+
+
+def test_no_file_of_a_wing_is_over_500_lines() -> None:
+    files = [f for d in GUARDS_DIR.iterdir() if d.is_dir() for f in d.glob("*.py")]
+    assert len(files) >= 4
+    sizes = {str(f.relative_to(GUARDS_DIR)): len(f.read_text().splitlines()) for f in files}
+    assert max(sizes.values()) <= 500, sizes

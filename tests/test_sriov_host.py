@@ -18,11 +18,11 @@ from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import FileFact, NodeSnapshot
 from nodeagent.core.sriov import SriovGuard
 from nodeagent.core.sriov_model import SNAPSHOT_VERSION, SriovObservation
+from nodeagent.guards.sriov.act import SriovExecutor
+from nodeagent.guards.sriov.netlink import PyrouteOps, parse_vfinfo, write_sysfs
+from nodeagent.guards.sriov.observe import SriovObserver, SriovStore
 from nodeagent.host.act import EXECUTORS, Actuator
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.netlink import PyrouteOps, parse_vfinfo, write_sysfs
-from nodeagent.host.sriov import SriovObserver, SriovStore
-from nodeagent.host.sriov_act import SriovExecutor
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps

@@ -93,7 +93,7 @@ def start(k: SimKernel, ops: SimSriovOps) -> tuple[Agent, threading.Thread]:
         module_ops=k,
         kernel_log=k.kernel_messages,
         wake_sources=[k.uevent_source],
-        sriov_ops=ops,
+        guard_ports={"sriov": ops},
     )
     thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
     thread.start()
@@ -190,7 +190,9 @@ def once(k: SimKernel) -> tuple[Agent, PassResult]:
         uevents=False,
         policies={"sriov": SriovPolicy(numvfs_owner="mofed")},
     )
-    agent = Agent(cfg, module_ops=k, kernel_log=k.kernel_messages, sriov_ops=SimSriovOps(k))
+    agent = Agent(
+        cfg, module_ops=k, kernel_log=k.kernel_messages, guard_ports={"sriov": SimSriovOps(k)}
+    )
     result = agent.run_once()
     agent.close()
     return agent, result

@@ -157,7 +157,7 @@ class NodeSnapshot:
     # "nvme", "nvmet_ports") could not read: that list may be missing facts.
     # Also in ``problems``.
     read_problems: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)
-    sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (nodeagent.host.sriov)
+    sriov: SriovObservation = EMPTY_SRIOV  # SR-IOV PFs and their VFs (guards/sriov/observe.py)
     # PCI functions by address, when a guard needs them (core/applicability.py); None: not
     # read, or the bus listing was unreadable (then no device is known absent).
     pci: Mapping[str, PciDevice] | None = None

@@ -5,7 +5,7 @@ the PF with ``IFLA_VFINFO_LIST``, or on the VF's own netdev), how a value is
 checked, and whether MOFED's own restore keeps it. Everything else (the
 observation, the saved snapshot, its JSON schema) is built from that table.
 
-Pure: no I/O. ``nodeagent.host.sriov`` reads the node into these values and
+Pure: no I/O. ``guards/sriov/observe.py`` reads the node into these values and
 writes the saved snapshot to ``var/lib/nodeagent/sriov.json``.
 """
 

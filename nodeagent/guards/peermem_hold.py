@@ -184,7 +184,7 @@ class PeermemHold(GuardSide):
         if not self.configured:
             return
         self._look_for_an_unclean_end()
-        host = self.ctx.ports.hold_host
+        host = self.ctx.port
         if host is not None and not host.threaded:
             prepared = self._prepare()
             if prepared is not None:
@@ -210,7 +210,7 @@ class PeermemHold(GuardSide):
         from nodeagent.host.responder_apart import adopt
 
         pol, ctx = self.ctx.policy, self.ctx
-        host = ctx.ports.hold_host or HoldHost(group=FanotifyGroup)
+        host = ctx.port or HoldHost(group=FanotifyGroup)
         if not (host.apart and host.group is FanotifyGroup):
             return False
         try:
@@ -371,7 +371,7 @@ class PeermemHold(GuardSide):
         from nodeagent.host.hold import HoldHost, start_hold
 
         pol, ctx = self.ctx.policy, self.ctx
-        host = ctx.ports.hold_host or HoldHost(group=FanotifyGroup)
+        host = ctx.port or HoldHost(group=FanotifyGroup)
         try:
             group = host.group()
         except OSError as exc:

@@ -22,7 +22,7 @@ from nodeagent.core.paths import HostPaths
 from nodeagent.core.reconcile import Reconciler
 from nodeagent.guards.peermem_hold import PeermemHold
 from nodeagent.guards.side import SideFactory
-from nodeagent.guards.sriov_host import SriovSide
+from nodeagent.guards.sriov.side import SriovSide
 
 
 @dataclass(frozen=True)

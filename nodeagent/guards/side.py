@@ -63,6 +63,7 @@ class SideContext:
     enforce: bool  # the agent acts (else it only observes)
     host: HostRoot
     ports: HostPorts
+    port: Any  # its own port from the ports' guard_ports (its wing types it), else None
     clock: Callable[[], float]  # the loop's schedule clock
     record: Callable[[dict[str, Any]], None]  # a timeline record
     wake: Callable[[str], None]  # wake the loop (a pipe write: safe from any thread)

@@ -3,7 +3,7 @@
 Each action type has one handler, found in one table built from the shared
 ``EXECUTORS`` (modules: libkmod/insmod; files: atomic writes under the host
 root) and those a guard's host side brings for actions of its own kinds (the
-VF guard's netlink: ``guards/sriov_host.py``). How a plan runs (its strategy,
+VF guard's netlink: ``guards/sriov/``). How a plan runs (its strategy,
 its timeouts, one worker per guard) is ``loop/workers.py``; this performs one
 action.
 

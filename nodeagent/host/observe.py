@@ -15,7 +15,7 @@ The readers of /proc/locks, mountinfo, NVMe controllers and SR-IOV PFs are
 injectable (``Readers``), as ``ModuleOps`` is for module operations, so the
 simulator and tests plug in the same way for every guard. The defaults of the
 storage guard's are ``host/storage_facts.py``; SR-IOV's comes from the VF
-guard's host side (``guards/sriov_host.py``).
+guard's host side (``guards/sriov/``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ _HEX_ID = re.compile(r"0x[0-9a-fA-F]{1,6}")
 
 
 def no_sriov() -> tuple[SriovObservation, list[str]]:
-    """Without a netlink reader (``nodeagent.host.sriov.SriovObserver.read``): no SR-IOV PFs."""
+    """Without a netlink reader (``guards/sriov/observe.py``'s ``SriovObserver.read``): no
+    SR-IOV PFs."""
     return EMPTY_SRIOV, []
 
 

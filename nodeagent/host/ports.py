@@ -9,15 +9,13 @@ the libraries behind them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nodeagent.host.events import WakeSource
-    from nodeagent.host.hold import HoldHost
     from nodeagent.host.kmod import ModuleOps
-    from nodeagent.host.netlink import SriovOps
     from nodeagent.host.observe import Readers
 
 # Recent kernel log lines about a module (``host/act.py``, ``kmsg_reader``).
@@ -29,6 +27,8 @@ class HostPorts:
     module_ops: ModuleOps | None = None  # libkmod (else modprobe)
     kernel_log: KernelLog | None = None  # /dev/kmsg
     readers: Readers | None = None  # locks, mounts, NVMe; a guard's host side adds its own
-    sriov_ops: SriovOps | None = None  # netlink and sriov_numvfs (pyroute2)
-    hold_host: HoldHost | None = None  # the kernel the fanotify hold marks and answers
+    # A guard's own ports, by the guard's name, each typed by its wing (guards/<name>/):
+    # "sriov" its SriovOps (netlink and sriov_numvfs), "peermem" the hold's HoldHost (the
+    # kernel the fanotify hold marks and answers). The host layer names none of them.
+    guard_ports: Mapping[str, Any] = field(default_factory=dict)
     wake_sources: Sequence[WakeSource] = ()  # besides inotify, uevents and the loop's pokes

@@ -104,6 +104,7 @@ def build_sides(
             enforce=cfg.mode == "enforce",
             host=host,
             ports=ports,
+            port=ports.guard_ports.get(e.name),
             clock=clock,
             record=record,
             wake=wake,

@@ -105,8 +105,7 @@ class SimAgent:
         ports = HostPorts(
             module_ops=node.kernel,
             kernel_log=node.kernel.kernel_messages,
-            sriov_ops=SimSriovOps(node.kernel),
-            hold_host=hold_host,
+            guard_ports={"sriov": SimSriovOps(node.kernel), "peermem": hold_host},
             wake_sources=[node.kernel.uevent_source, fence],
         )
         hooks = LoopHooks(

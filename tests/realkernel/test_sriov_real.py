@@ -27,11 +27,11 @@ from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.actions import RestoreVf
 from nodeagent.core.sriov import SriovMemory, SriovPolicy
+from nodeagent.guards.sriov.act import SriovExecutor
+from nodeagent.guards.sriov.netlink import PyrouteOps
 from nodeagent.host.act import EXECUTORS, Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import default_module_ops
-from nodeagent.host.netlink import PyrouteOps
-from nodeagent.host.sriov_act import SriovExecutor
 
 from ..waiting import until
 

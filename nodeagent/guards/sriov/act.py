@@ -15,9 +15,9 @@ from typing import Any
 
 from nodeagent.core.actions import RestoreVf, SetNumVfs
 from nodeagent.errors import StepFailed
+from nodeagent.guards.sriov.netlink import FIELD_GROUPS, LINK_FIELDS, SriovOps
+from nodeagent.guards.sriov.observe import PCI_DEVICES, Sysfs
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.netlink import FIELD_GROUPS, LINK_FIELDS, SriovOps
-from nodeagent.host.sriov import PCI_DEVICES, Sysfs
 
 Detail = tuple[tuple[str, str], ...]  # (field, "written" | "unsupported" | "read back ...")
 

@@ -1,7 +1,7 @@
 """The VF guard's host side: SR-IOV read over netlink, VFs restored, the snapshot kept.
 
 The guard (``core/sriov.py``) decides from what this reads; its restores run
-through this side's executor (``host/sriov_act.py``); after every pass the VF
+through this side's executor (``act.py``); after every pass the VF
 snapshot file follows the guard's memory, so a restarted agent knows each VF's
 configuration before MOFED's reload took it.
 """
@@ -16,9 +16,9 @@ from nodeagent.core.reconcile import AgentMemory
 from nodeagent.core.sriov import SriovMemory
 from nodeagent.errors import NodeagentError
 from nodeagent.guards.side import GuardSide, SideContext
-from nodeagent.host.netlink import PyrouteOps, SriovOps
-from nodeagent.host.sriov import SriovObserver, SriovStore
-from nodeagent.host.sriov_act import SriovExecutor
+from nodeagent.guards.sriov.act import SriovExecutor
+from nodeagent.guards.sriov.netlink import PyrouteOps, SriovOps
+from nodeagent.guards.sriov.observe import SriovObserver, SriovStore
 
 if TYPE_CHECKING:
     from nodeagent.host.act import Executor, NodeHands
@@ -32,7 +32,7 @@ class SriovSide(GuardSide):
         host, paths = ctx.host, ctx.paths
         # Read-only (``check``): a bad snapshot file is reported, moved aside only by the daemon.
         self.store = SriovStore(host, paths.sriov_snapshot, read_only=ctx.read_only)
-        self.ops: SriovOps = ctx.ports.sriov_ops or PyrouteOps(host)
+        self.ops: SriovOps = ctx.port or PyrouteOps(host)
         self.observer = SriovObserver(host, self.ops, self.store, paths.sriov_cni_cache)
 
     def readers(self) -> Mapping[str, Callable[[], Any]]:

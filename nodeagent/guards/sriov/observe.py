@@ -9,7 +9,7 @@
 - ``SriovStore`` keeps ``var/lib/nodeagent/sriov.json``: versioned, written
   atomically and only when it changes, never replaced by an empty snapshot; a
   corrupt or unknown-version file is moved aside and reported.
-- ``host/sriov_act.py`` carries out the guard's actions.
+- ``act.py`` carries out the guard's actions.
 
 Malformed sysfs values and failed netlink reads never raise: they become
 ``problems`` on the PF or VF whose facts they are, so the guard keeps what it
@@ -42,8 +42,8 @@ from nodeagent.core.sriov_model import (
     snapshot_to_json,
 )
 from nodeagent.errors import NodeagentError
+from nodeagent.guards.sriov.netlink import SriovOps
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.netlink import SriovOps
 from nodeagent.host.state import strict_json
 
 PCI_DEVICES = "sys/bus/pci/devices"
