@@ -49,9 +49,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.containerroot
 
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import RootScanner
+from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.roots import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import Responder
 from nodeagent.host.procevents import ConnectorRefused, ExecEvents
 from tests import containerroot
 

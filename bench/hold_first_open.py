@@ -17,7 +17,7 @@ a fresh group per round, so no ignore mark is left from the last) and times it.
    the same order (``IgnoreMarks.add`` then ``respond``).
 2. **End to end**: the opener's time per first open with no mark, with the
    mark answered by the responder as the agent runs it (a process of its own,
-   ignore marks on: ``host/responder_apart.spawner``), and answered by the bare
+   ignore marks on: ``guards/peermem/process.spawner``), and answered by the bare
    steps of 1; arms alternate, each first in turn, ``--rounds`` rounds, medians.
 3. ``--compile``: the same three arms around ``bench/hold_latency.py``'s gcc
    load (40 objects, each including 400 of 1500 headers): how close the
@@ -44,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nodeagent.core.hold import MODULE_HEAD_BYTES, could_be_module, held_open
+from nodeagent.guards.peermem.budget import descriptor_budget
+from nodeagent.guards.peermem.start import spawner
 from nodeagent.host.fanotify import (
     FAN_MARK_ADD,
     FAN_MARK_EVICTABLE,
@@ -54,8 +56,6 @@ from nodeagent.host.fanotify import (
     FanotifyGroup,
     parse_events,
 )
-from nodeagent.host.hold import descriptor_budget
-from nodeagent.host.responder_apart import spawner
 
 # Opens each file named on stdin (one a line) once, then prints seconds per open.
 OPENER = """

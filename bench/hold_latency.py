@@ -52,10 +52,11 @@ from typing import Any
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
-from nodeagent.guards.peermem_hold import PeermemHold
+from nodeagent.guards.peermem.budget import descriptor_budget
+from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.side import PeermemHold
+from nodeagent.guards.peermem.start import sees_host_pids, spawner
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import Responder, descriptor_budget, sees_host_pids
-from nodeagent.host.responder_apart import spawner
 from nodeagent.sim.node import READY, Node
 from nodeagent.sim.scenarios import stack_node
 

@@ -5,13 +5,13 @@ It runs ``python -m nodeagent ARGS...`` (the agent: ``supervise run --config ...
 does three things only:
 
 - **it reaps.** It is the subreaper of everything under it (``PR_SET_CHILD_SUBREAPER``):
-  the hold's responder, left behind by an agent that died (``host/responder_main.py``),
+  the hold's responder, left behind by an agent that died (``guards/peermem/process_main.py``),
   is reparented here, not to the host's init (the pod runs with ``hostPID``: the
   container has no init of its own), so it stays in the pod and is reaped when it ends;
 - **it restarts an agent that died otherwise than asked** (killed, an uncaught error,
   an OOM kill of the agent alone), after ``RESTART_FIRST_S`` doubling to
   ``RESTART_MAX_S`` (back to the first once an agent ran ``STEADY_S``). The new agent
-  adopts the responder left behind (``host/responder_apart.adopt``): what it held stays
+  adopts the responder left behind (``guards/peermem/start.adopt``): what it held stays
   held. An agent that exits 0 (stopped) or 2 (a usage or config error: a restart would
   fail the same way) ends the supervisor with its code, as the agent alone would;
 - **it forwards SIGTERM, SIGINT and SIGHUP to the agent** and exits with the agent's

@@ -28,9 +28,10 @@ from nodeagent.core.hold import (
     split_cmdline,
 )
 from nodeagent.errors import NodeagentError
-from nodeagent.host.containers import OVERLAYFS_SUPER_MAGIC, RootScanner
+from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.roots import OVERLAYFS_SUPER_MAGIC, RootScanner
+from nodeagent.guards.peermem.start import sees_host_pids
 from nodeagent.host.fanotify import FanotifyGroup, OpenedRoot, parse_marked_devices
-from nodeagent.host.hold import Responder, sees_host_pids
 from nodeagent.host.procevents import ExecEvents
 
 from . import containerroot
@@ -409,7 +410,7 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
     from nodeagent.agent import Agent
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
-    from nodeagent.guards.peermem_hold import PeermemHold
+    from nodeagent.guards.peermem.side import PeermemHold
 
     from .healthy import healthy_node
 
@@ -717,7 +718,7 @@ def test_a_container_that_takes_a_settled_pid_is_marked(rig: Rig) -> None:
 def test_start_time_reads_this_kernels_stat(tmp_path: Path) -> None:
     """Field 22 on this kernel: a child started after this process has a later one, and
     a process whose name holds ``) `` is still read (counted from the last ``)``)."""
-    from nodeagent.host.containers import start_time
+    from nodeagent.guards.peermem.procfs import start_time
 
     own = start_time("/proc", os.getpid())
     odd = tmp_path / "a) b ) c"  # its command name, the file it was exec'd from

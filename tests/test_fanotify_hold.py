@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.start import sees_host_pids, spawner, start_hold
 from nodeagent.host.fanotify import (
     FAN_Q_OVERFLOW,
     METADATA,
@@ -34,8 +36,6 @@ from nodeagent.host.fanotify import (
     PermEvent,
     parse_events,
 )
-from nodeagent.host.hold import Responder, sees_host_pids, start_hold
-from nodeagent.host.responder_apart import spawner
 
 from .waiting import WAIT, until
 
@@ -326,7 +326,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
     from nodeagent.agent import Agent
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
-    from nodeagent.guards.peermem_hold import PeermemHold
+    from nodeagent.guards.peermem.side import PeermemHold
     from nodeagent.sim.node import READY
 
     from .healthy import healthy_node
@@ -437,7 +437,7 @@ def test_the_hold_refuses_to_start_without_host_pids_in_one_line() -> None:
 
 
 def test_held_opens_are_counted_by_how_they_ended() -> None:
-    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.guards.peermem.telemetry import HOLD_TELEMETRY
     from nodeagent.metrics import MetricsExporter
 
     m = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(HOLD_TELEMETRY,))
@@ -569,7 +569,7 @@ def test_an_overflow_burst_still_open_at_stop_is_said() -> None:
 
 
 def test_overflows_are_a_counter_fed_by_their_records() -> None:
-    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.guards.peermem.telemetry import HOLD_TELEMETRY
     from nodeagent.metrics import MetricsExporter
 
     m = MetricsExporter({}, mode="enforce", liveness_seconds=60, parts=(HOLD_TELEMETRY,))
@@ -649,8 +649,8 @@ def test_the_agent_records_an_overflow_burst_and_counts_it(tmp_path: Path) -> No
     from nodeagent.agent import Agent
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
-    from nodeagent.host.hold import HoldHost
-    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.guards.peermem.start import HoldHost
+    from nodeagent.guards.peermem.telemetry import HOLD_TELEMETRY
     from nodeagent.metrics import MetricsExporter
 
     from .healthy import healthy_node
@@ -718,13 +718,13 @@ def test_the_agent_records_an_overflow_burst_and_counts_it(tmp_path: Path) -> No
 def test_the_descriptor_limit_is_raised_and_the_caps_fit_in_it() -> None:
     import resource
 
-    from nodeagent.host.hold import (
+    from nodeagent.guards.peermem.budget import (
         FD_RESERVE,
         HELD_PER_CONTAINER,
         HELD_TOTAL,
-        READ_EVENTS,
         descriptor_budget,
     )
+    from nodeagent.host.fanotify import READ_EVENTS
 
     set_to: list[tuple[int, int]] = []
     budget, problems = descriptor_budget(
@@ -834,7 +834,7 @@ class FailingReads(FedSource):
 def test_emfile_while_reading_is_survived_reported_and_answering_goes_on() -> None:
     import errno
 
-    from nodeagent.host.hold_telemetry import HOLD_TELEMETRY
+    from nodeagent.guards.peermem.telemetry import HOLD_TELEMETRY
     from nodeagent.metrics import MetricsExporter
 
     clock = Clock()
@@ -978,7 +978,8 @@ def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood:
     the rest go on at once and are said in one notice; the responder lives, other opens
     and another container's load are answered, the gate still works, descriptors stay
     within the budget."""
-    from nodeagent.host.hold import HELD_PER_CONTAINER, HELD_TOTAL, READ_EVENTS
+    from nodeagent.guards.peermem.budget import HELD_PER_CONTAINER, HELD_TOTAL
+    from nodeagent.host.fanotify import READ_EVENTS
 
     m, responder = marked_flood, marked_flood.responder
     tmp = Path(m.modprobe).parent

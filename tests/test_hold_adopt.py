@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.host.responder_apart import ADOPT_SOCKET
+from nodeagent.guards.peermem.adopt import ADOPT_SOCKET
 from nodeagent.sim.node import READY
 
 from .test_hold_upgrade import _held, _kinds, responder_running
@@ -137,7 +137,8 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
 def test_the_adoption_socket_is_root_only_and_never_reached_through_a_symlink(
     tmp_path: Path,
 ) -> None:
-    from nodeagent.host.responder_apart import adopt, bind_adopt_socket
+    from nodeagent.guards.peermem.adopt import bind_adopt_socket
+    from nodeagent.guards.peermem.start import adopt
 
     state = tmp_path / "state"
     state.mkdir(mode=0o755)
@@ -165,7 +166,7 @@ def test_the_adoption_socket_is_root_only_and_never_reached_through_a_symlink(
 
 
 def _refused(state_dir: Path, words: str) -> None:
-    from nodeagent.host.responder_apart import bind_adopt_socket
+    from nodeagent.guards.peermem.adopt import bind_adopt_socket
 
     with pytest.raises(OSError) as refused:
         bind_adopt_socket(str(state_dir)).close()
@@ -175,9 +176,10 @@ def _refused(state_dir: Path, words: str) -> None:
 def test_a_responder_whose_agent_lives_is_never_adopted_nor_killed(tmp_path: Path) -> None:
     """Under the node's lock a second agent never tries; if one did, the responder answers
     ``busy`` and is left alone. Here the test process is the responder's live agent."""
+    from nodeagent.guards.peermem.budget import descriptor_budget
+    from nodeagent.guards.peermem.process import ResponderProcess
+    from nodeagent.guards.peermem.start import adopt
     from nodeagent.host.fanotify import FanotifyGroup
-    from nodeagent.host.hold import descriptor_budget
-    from nodeagent.host.responder_apart import ResponderProcess, adopt
 
     state = tmp_path / "state"
     state.mkdir(mode=0o755)

@@ -33,7 +33,7 @@ from typing import Any
 
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
-from nodeagent.host.hold import HELD_PER_CONTAINER
+from nodeagent.guards.peermem.budget import HELD_PER_CONTAINER
 from nodeagent.host.ports import HostPorts
 from nodeagent.loop.exporters import build_exporters
 from nodeagent.loop.wiring import build_agent

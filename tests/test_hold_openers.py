@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.host.hold import opener_may_load
+from nodeagent.guards.peermem.openers import opener_may_load
 from nodeagent.sim.node import READY
 
 from .test_responder_apart import (
@@ -83,7 +83,7 @@ def test_no_path_an_opener_picks_silences_the_responder(tmp_path: Path) -> None:
     its own, keeps coming (issue 51: the state outgrew its 64 KB cap, no heartbeat went
     out, the agent killed the responder as stuck after 10 s, and every held load went
     on with the gate closed)."""
-    from nodeagent.host.responder_main import PATH_LISTED
+    from nodeagent.guards.peermem.process_main import PATH_LISTED
 
     root, driver = driver_root(tmp_path)
     modprobe = _loader(tmp_path)

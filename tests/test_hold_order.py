@@ -13,7 +13,7 @@ import pytest
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
-from nodeagent.host.hold import HoldHost
+from nodeagent.guards.peermem.start import HoldHost
 from nodeagent.sim.node import GATE, READY
 
 from .healthy import healthy_node
@@ -101,7 +101,7 @@ def test_a_root_whose_mark_failed_is_marked_once_it_can_be(
     """issue 51: a hold root whose mark failed (ENOSPC on max_user_marks) was never tried
     again, its loads unheld in silence. Now every pass names it as a problem, and it is
     tried again with backoff until marked."""
-    from nodeagent.guards import peermem_hold
+    from nodeagent.guards.peermem import side_start as peermem_hold
 
     monkeypatch.setattr(peermem_hold, "START_RETRY_S", 0.01)
     cfg = hold_config(tmp_path, ("run/nvidia/driver", "run/other/driver"))
@@ -134,7 +134,7 @@ def test_a_root_whose_mark_failed_is_marked_once_it_can_be(
 def test_an_agent_killed_while_holding_is_said_by_the_next_one(tmp_path: Path) -> None:
     """issue 51: a kill -9 cannot be held (the kernel lets every held open go): the next
     agent says so in one record; after a clean stop the next one says nothing."""
-    from nodeagent.guards.peermem_hold import RUNNING_FILE
+    from nodeagent.guards.peermem.side_start import RUNNING_FILE
 
     cfg = hold_config(tmp_path)
     node = healthy_node(tmp_path, ready=False)

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nodeagent.host.hold import HoldReport
+from nodeagent.guards.peermem.reports import HoldReport
 
 from .test_fanotify_hold import Clock, Opens, capped
 from .waiting import until

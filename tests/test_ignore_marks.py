@@ -34,9 +34,10 @@ from pathlib import Path
 import pytest
 
 from nodeagent.core.hold import could_be_module
+from nodeagent.guards.peermem.budget import descriptor_budget
+from nodeagent.guards.peermem.process import ResponderProcess
+from nodeagent.guards.peermem.start import sees_host_pids, spawner, start_hold
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
-from nodeagent.host.hold import descriptor_budget, sees_host_pids, start_hold
-from nodeagent.host.responder_apart import ResponderProcess, spawner
 
 from .test_fanotify_hold import _mount_tmpfs
 from .waiting import WAIT, until

@@ -359,7 +359,7 @@ def test_the_hold_series_are_declared_beside_the_hold_without_a_metrics_library(
                 names.add(n.module)
         return names
 
-    hold = imported(root / "host" / "hold_telemetry.py")
+    hold = imported(root / "guards" / "peermem" / "telemetry.py")
     assert not {n for n in hold if n.startswith(("prometheus_client", "nodeagent.metrics"))}
     server = imported(root / "metrics_server.py")
     assert "nodeagent.metrics" not in server, "the endpoint reads the exporter through Scrapeable"

@@ -254,8 +254,10 @@ def test_check_imports_only_what_it_uses(node: Path) -> None:
         "nodeagent.agent",
         "nodeagent.loop.agent",
         "nodeagent.loop.workers",
-        "nodeagent.host.hold",
-        "nodeagent.host.containers",
+        "nodeagent.guards.peermem.responder",
+        "nodeagent.guards.peermem.start",
+        "nodeagent.guards.peermem.process",
+        "nodeagent.guards.peermem.roots",
     }
     assert not loaded & unwanted, sorted(loaded & unwanted)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import BURST_LOOKS, RootScanner
+from nodeagent.guards.peermem.roots import BURST_LOOKS, RootScanner
 from nodeagent.host.fanotify import OpenedRoot
 from nodeagent.host.procevents import (
     CN_IDX_PROC,

@@ -1,7 +1,7 @@
 """The hold's responder apart (issue 38): a stalled, stopped or killed agent stalls no open.
 
-The responder answers in a process of its own (``host/responder_apart.py``,
-``host/responder_main.py``), the gate reaching it as a lease the loop renews.
+The responder answers in a process of its own (``guards/peermem/process.py``,
+``guards/peermem/process_main.py``), the gate reaching it as a lease the loop renews.
 On this machine's kernel, with a real fanotify group on a tmpfs:
 
 - the agent's whole process stopped (``SIGSTOP``): opens of other files on the
@@ -43,10 +43,10 @@ from typing import Any
 
 import pytest
 
+from nodeagent.guards.peermem.lease import LEASE, HoldLease, _check, boottime, read_lease
+from nodeagent.guards.peermem.start import sees_host_pids
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, GateFiles
-from nodeagent.host.hold import sees_host_pids
-from nodeagent.host.hold_lease import LEASE, HoldLease, _check, boottime, read_lease
 from nodeagent.loop.wiring import LoopHooks
 from nodeagent.sim.node import READY
 
@@ -358,7 +358,7 @@ def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
 def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_off(
     tmp_path: Path,
 ) -> None:
-    from nodeagent.guards.peermem_hold import RESTARTS_MAX
+    from nodeagent.guards.peermem.side import RESTARTS_MAX
 
     root, driver = driver_root(tmp_path)
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
@@ -437,7 +437,7 @@ class _SlowStart:
     hang the test)."""
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ready_timeout_s: float):
-        from nodeagent.host.responder_apart import ResponderProcess
+        from nodeagent.guards.peermem.process import ResponderProcess
 
         self.go = tmp_path / "responder-go"
         self.script = tmp_path / "slow-python"
@@ -620,7 +620,7 @@ def test_new_responders_that_do_not_answer_are_tried_again_and_said_until_one_do
     says ``retrying: <why>`` and every pass names the problem meanwhile. Once one answers,
     the hold runs again. The loop's passes go on throughout (issue 51: the hold never goes
     quiet; it gave up after five)."""
-    from nodeagent.guards import peermem_hold
+    from nodeagent.guards.peermem import side_start as peermem_hold
 
     monkeypatch.setattr(peermem_hold, "START_RETRY_S", 0.05)  # 0.05, 0.1, 0.2 ... s
     root, driver = driver_root(tmp_path)
@@ -737,9 +737,10 @@ def test_once_ready_the_responder_opens_no_file_where_its_code_lives(tmp_path: P
 def test_a_responder_that_cannot_start_is_one_line_and_leaves_no_descriptor(
     tmp_path: Path,
 ) -> None:
+    from nodeagent.guards.peermem.budget import descriptor_budget
+    from nodeagent.guards.peermem.process import ResponderProcess
+    from nodeagent.guards.peermem.start import start_hold
     from nodeagent.host.fanotify import FanotifyGroup
-    from nodeagent.host.hold import descriptor_budget, start_hold
-    from nodeagent.host.responder_apart import ResponderProcess
 
     try:
         group = FanotifyGroup()

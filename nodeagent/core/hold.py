@@ -17,7 +17,7 @@ closed, of
 The GPU Operator's ``nvidia-driver-ctr`` loads ``nvidia-peermem`` from its own
 root, before it bind-mounts that root at ``/run/nvidia/driver``, and each start
 is a new overlay; so the hold marks each driver container's root as it starts
-(``host/containers.py``). Cgroup paths under containerd and CRI-O name a pod
+(``guards/peermem/roots.py``). Cgroup paths under containerd and CRI-O name a pod
 and a container *id*, not the container's name, so the rule reads the command
 line, which is the one thing the DaemonSet sets and every runtime shows:
 

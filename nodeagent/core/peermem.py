@@ -66,7 +66,7 @@ class PeermemPolicy:
     retry_base_s: float = 5.0
     retry_max_s: float = 300.0
     # Hold anyone's open of nvidia-peermem.ko by a module loader while the gate is closed
-    # (host/hold.py): "off" or "fanotify". The budget stays below the driver container's
+    # (guards/peermem/): "off" or "fanotify". The budget stays below the driver container's
     # startup probe (120 x 10 s): past it the open is allowed and reported.
     hold_loads: str = "off"
     hold_budget_s: float = 900.0

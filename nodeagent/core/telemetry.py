@@ -22,7 +22,7 @@ The coupling to the guard and verdict shape lives here and only here
 (``verdict_words``, ``verdict_ok``), so a change of that shape is one edit.
 
 A part that is not a guard but writes timeline records (the fanotify hold:
-``host/hold_telemetry.py``) declares its series the same way, as a
+``guards/peermem/telemetry.py``) declares its series the same way, as a
 ``RecordTelemetry``: its ``families`` and a pure ``samples(record)``. The
 exporter is given the parts, registers their families at start beside the
 guards' (one name space, same checks), and feeds every record to each part.

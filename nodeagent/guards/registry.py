@@ -20,7 +20,7 @@ from nodeagent.core import peermem, sriov, storage
 from nodeagent.core.guard import Guard
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.reconcile import Reconciler
-from nodeagent.guards.peermem_hold import PeermemHold
+from nodeagent.guards.peermem.side import PeermemHold
 from nodeagent.guards.side import SideFactory
 from nodeagent.guards.sriov.side import SriovSide
 

@@ -3,7 +3,7 @@
 A raw ``NETLINK_CONNECTOR`` socket bound to the ``CN_IDX_PROC`` group, a
 ``PROC_CN_MCAST_LISTEN`` sent to the kernel, then ``PROC_EVENT_EXEC`` messages
 (the exec'd process's pid) read as they come. The container scanner
-(``host/containers.py``) reads the command line of exec'd processes only.
+(``guards/peermem/roots.py``) reads the command line of exec'd processes only.
 
 Kernel facts this relies on, each checked on this machine's kernel (6.18) and in
 the Debian 6.1 guest (``tests/test_procevents.py``, run in both: the command is

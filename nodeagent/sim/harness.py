@@ -37,9 +37,10 @@ from typing import Any
 
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
-from nodeagent.guards.peermem_hold import PeermemHold
+from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.side import PeermemHold
+from nodeagent.guards.peermem.start import HoldHost
 from nodeagent.guards.registry import build_reconciler
-from nodeagent.host.hold import HoldHost, Responder
 from nodeagent.host.ports import HostPorts
 from nodeagent.loop.passes import PassResult
 from nodeagent.loop.wiring import LoopHooks, build_agent

@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import RootScanner
+from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.roots import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import Responder
 
 from .. import containerroot, waiting
 from ..containerroot import Container
@@ -203,7 +203,7 @@ def test_without_the_dependency_hold_the_inbox_module_goes_in_first(rig: Rig) ->
 ONE_SCAN = """
 import json
 from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-from nodeagent.host.containers import RootScanner
+from nodeagent.guards.peermem.roots import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
 group = FanotifyGroup()
 scanner = RootScanner(group.open_root, group.marked_devices, DRIVER_CONTAINER_RULES,

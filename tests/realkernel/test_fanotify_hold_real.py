@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.guards.peermem.responder import Responder
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import Responder
 
 from .. import waiting
 from .modbuild import KModule, symbol_provider, symbol_user
@@ -184,7 +184,7 @@ def test_the_budget_expires_into_a_load_and_a_report(root: Root) -> None:
 AGENT = """
 import sys, threading, time
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import Responder
+from nodeagent.guards.peermem.responder import Responder
 group = FanotifyGroup()
 group.mark_filesystem(sys.argv[1])
 Responder(group, gate_open=lambda: False, budget_s=3600).start()
@@ -237,8 +237,8 @@ def _gone(pid: int) -> bool:
 APART_AGENT = """
 import sys, time
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import start_hold
-from nodeagent.host.responder_apart import spawner
+from nodeagent.guards.peermem.start import start_hold
+from nodeagent.guards.peermem.start import spawner
 group = FanotifyGroup()
 responder, marked, problems = start_hold(
     group, group.mark_filesystem, [("root", sys.argv[1])], gate_open=lambda: False,
@@ -294,8 +294,8 @@ def test_ignore_marks_on_6_1_never_hide_the_module(
     ``modprobe`` of nvidia-peermem is held after the container read its directory, after
     the module was renamed into place from a file read before, and after a new copy
     appeared in a directory read before."""
-    from nodeagent.host.hold import descriptor_budget, start_hold
-    from nodeagent.host.responder_apart import spawner
+    from nodeagent.guards.peermem.budget import descriptor_budget
+    from nodeagent.guards.peermem.start import spawner, start_hold
 
     group = FanotifyGroup()
     budget, _ = descriptor_budget()

@@ -120,7 +120,7 @@ def test_unmarked_filesystems_and_no_group_change_nothing(kernel: SimKernel) -> 
 def test_the_scanner_and_the_responder_read_the_simulated_proc(kernel: SimKernel) -> None:
     """The shipped scanner finds a driver container's start through the simulated /proc."""
     from nodeagent.core.hold import DRIVER_CONTAINER_RULES
-    from nodeagent.host.containers import RootScanner
+    from nodeagent.guards.peermem.roots import RootScanner
 
     group = kernel.fanotify_group()
     pid = kernel.spawn_proc(

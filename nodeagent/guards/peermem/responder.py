@@ -3,7 +3,7 @@ module it would pull in) while the gate is closed; which opens: ``core/hold.py``
 
 A ``Responder`` answers every fanotify permission event on the marked
 filesystems (``host/fanotify.py``, or any ``EventSource``): in the agent, in a
-process of its own (``host/responder_apart.py``, ``host/responder_main.py``: a
+process of its own (``guards/peermem/process.py``, ``guards/peermem/process_main.py``: a
 stalled agent stalls no open); in the simulator, stepped; in tests, a thread.
 
 1. an event from the agent's own pid is allowed before anything else is done
@@ -39,38 +39,22 @@ import collections
 import contextlib
 import errno
 import os
-import resource
 import select
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from nodeagent.core.hold import held_open
+from nodeagent.guards.peermem.budget import HELD_PER_CONTAINER, HELD_TOTAL, DescriptorBudget
+from nodeagent.guards.peermem.openers import event_path, is_loader, mount_namespace, opener_may_load
+from nodeagent.guards.peermem.reports import BURST_QUIET_S, OVERFLOW_MEANING, Burst, HoldReport
 from nodeagent.host.events import Poke
 from nodeagent.host.fanotify import (
-    READ_EVENTS,
     EventSource,
-    FanotifyGroup,
-    OpenedRoot,
     PermEvent,
 )
-
-# kmod is one binary for modprobe, insmod, modinfo, depmod...: its exe says "kmod" for all
-# of them, its comm (argv[0]'s name) says which. So "kmod" alone names no loader.
-LOADERS = frozenset({"modprobe", "insmod"})
-
-
-@dataclass(frozen=True)
-class HoldReport:
-    """One held open, once it ended: who, which file, how long, how it ended."""
-
-    pid: int
-    opener: str
-    path: str
-    seconds: float
-    ended: str  # "gate opened" | "budget expired" | "responder stopped" | "opener gone"
 
 
 @dataclass
@@ -82,179 +66,9 @@ class _Held:
     container: str = "?"  # the opener's (``mount_namespace``), for the cap per container
 
 
-# Caps on opens held at once (each keeps an event descriptor in the agent until answered):
-# per opener's container, and in all. Constants for now, not policy: a new policy field
-# needs docs/configuration.md. 64 is far above a driver container's handful of loads.
-HELD_PER_CONTAINER = 64
-HELD_TOTAL = 256
-# Descriptors kept for the agent's own writes, endpoints' connections and /proc reads, on
-# top of what the hold may have at once (held opens and one read's events).
-FD_RESERVE = 256
 # After an EMFILE/ENFILE the responder waits this long (or for a wake-up) before reading
 # the group again: each failed read costs the kernel one event (it denies it).
 FAULT_BACKOFF_S = 0.1
-
-# A burst of one kind of trouble (an overflow, ...) ends after this long without another:
-# one notice per burst, with its count, never one per event.
-BURST_QUIET_S = 2.0
-
-OVERFLOW_MEANING = (
-    "the kernel's fanotify queue overflowed: it dropped permission events and allowed "
-    "those opens unanswered, so a held-class open (a load of nvidia-peermem.ko or of an "
-    "inbox RDMA module) may have gone through"
-)
-
-
-@dataclass
-class _Burst:
-    """Occurrences of one kind gathered until ``BURST_QUIET_S`` passes without another."""
-
-    began: float
-    last: float
-    kind: str = ""  # the notice's record kind
-    count: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DescriptorBudget:
-    """The agent's descriptors as the hold planned them at start: ``limit`` (the soft
-    ``RLIMIT_NOFILE``, raised to ``hard``), ``reserve`` kept for the rest of the agent,
-    and the caps on held opens that fit in what is left with one read's events."""
-
-    limit: int
-    hard: int
-    reserve: int
-    held_total: int
-    held_per_container: int
-    read_events: int = READ_EVENTS
-
-    def status(self) -> dict[str, int]:
-        return {
-            "limit": self.limit,
-            "hard": self.hard,
-            "reserve": self.reserve,
-            "held_total": self.held_total,
-            "held_per_container": self.held_per_container,
-            "per_read": self.read_events,
-        }
-
-
-def descriptor_budget(
-    getrlimit: Callable[[int], tuple[int, int]] = resource.getrlimit,
-    setrlimit: Callable[[int, tuple[int, int]], None] = resource.setrlimit,
-) -> tuple[DescriptorBudget, list[str]]:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit and fit the caps on held opens
-    in it, keeping ``FD_RESERVE`` for the rest of the agent; (budget, problems)."""
-    problems: list[str] = []
-    soft, hard = getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (OSError, ValueError) as exc:
-            problems.append(
-                f"peermem.hold_loads: cannot raise the descriptor limit from {soft} to {hard}: "
-                f"{exc}"
-            )
-    room = max(0, soft - FD_RESERVE - READ_EVENTS)
-    total = min(HELD_TOTAL, room)
-    if total < HELD_TOTAL:
-        problems.append(
-            f"peermem.hold_loads: a descriptor limit of {soft} (hard {hard}) leaves room for "
-            f"{total} held opens, not {HELD_TOTAL}; past that, loads go on at once"
-        )
-    budget = DescriptorBudget(
-        limit=soft,
-        hard=hard,
-        reserve=FD_RESERVE,
-        held_total=total,
-        held_per_container=min(HELD_PER_CONTAINER, total),
-    )
-    return budget, problems
-
-
-def open_descriptors() -> int:
-    """How many descriptors this process has open now (-1: unreadable)."""
-    try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return -1
-
-
-def is_loader(pid: int, proc: str = "/proc") -> tuple[bool, str]:
-    """(a module loader?, its name) from ``exe`` and ``comm``: kmod's modprobe is a link
-    to ``kmod`` whose ``comm`` says ``modprobe``; busybox's says ``busybox``."""
-    names: set[str] = set()
-    with contextlib.suppress(OSError):
-        names.add(os.path.basename(os.readlink(f"{proc}/{pid}/exe")).removesuffix(" (deleted)"))
-    with (
-        contextlib.suppress(OSError),
-        open(f"{proc}/{pid}/comm", encoding="utf-8", errors="replace") as f,
-    ):
-        names.add(f.read(64).strip())
-    names.discard("")
-    loader = sorted(names & LOADERS)
-    return bool(loader), (loader[0] if loader else ",".join(sorted(names)) or "?")
-
-
-CAP_SYS_MODULE = 16
-STATUS_BYTES = 8192
-
-
-def _status_hex(status: bytes, field: bytes) -> int | None:
-    for line in status.splitlines():
-        if line.startswith(field):
-            with contextlib.suppress(ValueError):
-                return int(line[len(field) :].strip()[:16], 16)
-    return None
-
-
-def opener_may_load(proc: str = "/proc") -> Callable[[int], str | None]:
-    """Why the opener ``pid`` cannot load a module now, or None when it can:
-    ``finit_module`` needs ``CAP_SYS_MODULE`` in the initial user namespace, so the
-    opener must be in the host's user namespace (the responder's own, as a fanotify
-    permission group needs ``CAP_SYS_ADMIN`` there) with the capability in its effective
-    or permitted set. One bounded read of its status and a stat of its namespace; an
-    opener that cannot be read is not held (it cannot be shown to be able to load)."""
-
-    def why_not(pid: int) -> str | None:
-        try:
-            fd = os.open(f"{proc}/{pid}/status", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            try:
-                status = os.read(fd, STATUS_BYTES)
-            finally:
-                os.close(fd)
-            mine, its = os.stat(f"{proc}/self/ns/user"), os.stat(f"{proc}/{pid}/ns/user")
-        except OSError as exc:
-            return f"cannot read it ({exc.strerror or exc})"
-        if (mine.st_dev, mine.st_ino) != (its.st_dev, its.st_ino):
-            return "not in the host's user namespace"
-        caps = (_status_hex(status, b"CapEff:") or 0) | (_status_hex(status, b"CapPrm:") or 0)
-        if not caps >> CAP_SYS_MODULE & 1:
-            return "no CAP_SYS_MODULE"
-        return None
-
-    return why_not
-
-
-def event_path(event: PermEvent) -> str:
-    """The opened file's path as this process sees it (readlink: no open, no event)."""
-    try:
-        return os.readlink(f"/proc/self/fd/{event.fd}")
-    except OSError:
-        return "?"
-
-
-def mount_namespace(pid: int, proc: str = "/proc") -> str:
-    """Whose container an opener is in, for the caps: its mount namespace
-    (``mnt:[4026532xxx]``, a readlink: no open). Every container has one of its own, and
-    its processes share it whatever their root; leaving it takes ``CAP_SYS_ADMIN``, and
-    then the cap in total still holds. ``?`` when unreadable (one shared bucket)."""
-    try:
-        return os.readlink(f"{proc}/{pid}/ns/mnt")
-    except OSError:
-        return "?"
 
 
 def _fault_name(exc: BaseException) -> str:
@@ -348,7 +162,7 @@ class Responder:
         # burst once it is over, for the loop to record with the held opens' reports.
         self.notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.burst_quiet_s = burst_quiet_s
-        self._bursts: dict[str, _Burst] = {}  # by notice key; the responder thread's own
+        self._bursts: dict[str, Burst] = {}  # by notice key; the responder thread's own
         self._held: list[_Held] = []
         self._per_container: collections.Counter[str] = collections.Counter()
         self._answering: PermEvent | None = None  # read, not yet answered nor held
@@ -506,7 +320,7 @@ class Responder:
         key = key or kind
         burst = self._bursts.get(key)
         if burst is None:
-            burst = self._bursts[key] = _Burst(began=now, last=now, kind=kind)
+            burst = self._bursts[key] = Burst(began=now, last=now, kind=kind)
             burst.detail.update(first or {})
         burst.last = now
         burst.count += 1
@@ -539,7 +353,7 @@ class Responder:
         if ended:
             self.on_report()
 
-    def _meaning(self, b: _Burst) -> str:
+    def _meaning(self, b: Burst) -> str:
         if b.kind == "hold-overflow":
             return OVERFLOW_MEANING + (
                 " while the gate was closed"
@@ -658,162 +472,3 @@ class Responder:
             self.reported += 1
         if done:
             self.on_report()
-
-
-def sees_host_pids(status_path: str = "/proc/self/status") -> bool:
-    """In the host's pid namespace (``hostPID``)? ``NSpid`` lists one pid per namespace level."""
-    try:
-        with open(status_path, encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return len(line.split()) == 2
-    except OSError:
-        return False
-    return True  # a kernel without NSpid (< 4.1) has no nested namespaces to tell apart
-
-
-class HoldResponder(Protocol):
-    """What the hold's side reads and drives: the thread (``Responder``) or the process
-    apart (``host/responder_apart.ResponderProcess``)."""
-
-    reports: collections.deque[HoldReport]
-    notices: collections.deque[dict[str, Any]]
-    reported: int
-    descriptors: DescriptorBudget | None
-
-    @property
-    def counts(self) -> dict[str, int]: ...
-
-    def held(self) -> list[tuple[int, str, str, float]]: ...
-
-    def alive(self) -> bool: ...
-
-    def follow(self, is_open: bool) -> None: ...
-
-    def wake(self) -> None: ...
-
-    def stop(self, timeout: float = ...) -> None: ...
-
-
-class HoldGroup(EventSource, Protocol):
-    """A permission group the hold can mark: the kernel's fanotify group, or the
-    simulator's."""
-
-    def mark_filesystem(self, path: str) -> None: ...
-
-    def open_root(self, path: str) -> OpenedRoot | None: ...
-
-    def marked_devices(self) -> set[int]: ...
-
-
-@dataclass(frozen=True)
-class HoldHost:
-    """Where the hold meets a kernel: the running one by default. The simulator gives its
-    own group, process table and superblocks, and steps the responder and the scanner
-    itself (``threaded=False``) so its virtual clock orders every answer."""
-
-    group: Callable[[], HoldGroup]  # OSError when the kernel refuses
-    proc: str = "/proc"
-    host_pids: Callable[[], bool] = lambda: sees_host_pids()
-    path_of: Callable[[PermEvent], str] = lambda event: event_path(event)
-    dev_of: Callable[[str], int | None] | None = None  # a root's device (default: stat)
-    # Why a pid's process can never load a module, or None if it can (default: its
-    # bounding set and user namespace under ``proc``; containers.py).
-    may_load: Callable[[int], str | None] | None = None
-    # Why an opener cannot load a module now (default: ``opener_may_load`` under ``proc``).
-    opener_may_load: Callable[[int], str | None] | None = None
-    threaded: bool = True
-    clock: Callable[[], float] = time.monotonic  # budgets and ages
-    # The responder in a process of its own (``host/responder_apart.py``) when threaded:
-    # the kernel's group only (a test's fake group answers in a thread of the agent).
-    apart: bool = True
-
-
-def mark_root(mark: Callable[[str], None], name: str, path: str) -> str | None:
-    """Mark the filesystem of hold root ``name`` (at ``path``); why not, or None when marked."""
-    if not os.path.isdir(path):
-        return f"{name} is not a directory; not marked"
-    try:
-        mark(path)
-    except OSError as exc:
-        return f"cannot mark {name}: {exc.strerror or exc}"
-    return None
-
-
-def start_hold(
-    source: EventSource,
-    mark: Callable[[str], None],
-    roots: list[tuple[str, str]],
-    *,
-    gate_open: Callable[[], bool],
-    budget_s: float,
-    host_pids: bool,
-    containers: bool = False,
-    on_report: Callable[[], None] = lambda: None,
-    host: HoldHost | None = None,
-    budget: DescriptorBudget | None = None,
-    apart: Callable[[DescriptorBudget], HoldResponder] | None = None,
-) -> tuple[HoldResponder | None, list[str], list[str]]:
-    """Start a responder, then mark ``roots`` ((name, path) pairs); (responder, marked,
-    problems). ``host``: where openers and files are read, and how the responder runs
-    (by default: the running kernel's, in a process of its own).
-
-    Refuses, in one line each, without host PIDs (every opener would be pid 0) or with
-    nothing marked and no container roots to come (``containers``); a root that cannot be
-    marked is named and skipped. Before it starts, the descriptor limit is raised and the
-    caps on held opens fitted in it (``budget``: a test's own plan instead). ``apart``:
-    starts the responder as a process of its own, given the budget
-    (``host/responder_apart.spawner``; OSError when it does not answer); without it, a
-    thread of this process (or none: stepped). The responder answers before the first
-    mark: a process apart has read every file it needs by then.
-    """
-    if not host_pids:
-        source.close()
-        return (
-            None,
-            [],
-            [
-                "peermem.hold_loads: the agent does not see host PIDs (run it with hostPID: true); "
-                "not holding any load"
-            ],
-        )
-    problems: list[str] = []
-    host = host or HoldHost(group=FanotifyGroup)
-    if budget is None:
-        budget, budget_problems = descriptor_budget()
-        problems.extend(budget_problems)
-    responder: HoldResponder
-    if apart is not None and host.threaded:
-        try:
-            responder = apart(budget)
-        except OSError as exc:
-            source.close()
-            return None, [], [*problems, f"peermem.hold_loads: {exc}; not holding any load"]
-    else:
-        thread = Responder(
-            source,
-            gate_open=gate_open,
-            budget_s=budget_s,
-            on_report=on_report,
-            proc=host.proc,
-            path_of=host.path_of,
-            clock=host.clock,
-            held_per_container=budget.held_per_container,
-            held_total=budget.held_total,
-            descriptors=budget,
-            may_load=host.opener_may_load,
-        )
-        if host.threaded:
-            thread.start()
-        responder = thread
-    marked: list[str] = []
-    for name, path in roots:
-        why = mark_root(mark, name, path)
-        if why is not None:
-            problems.append(f"peermem.hold_roots: {why}")
-            continue
-        marked.append(name)
-    if not marked and not containers:
-        responder.stop()
-        return None, [], [*problems, "peermem.hold_loads: nothing marked; not holding any load"]
-    return responder, marked, problems

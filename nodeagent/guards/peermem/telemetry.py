@@ -1,4 +1,4 @@
-"""The fanotify hold's series (``host/hold.py``, ``host/containers.py``), from its records.
+"""The fanotify hold's series (``responder.py``, ``roots.py``), from its records.
 
 Pure declarations and one pure function, no metrics library: the exporter
 (``nodeagent.metrics``) is given ``HOLD_TELEMETRY`` and registers its families

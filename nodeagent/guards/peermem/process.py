@@ -3,11 +3,11 @@
 Why apart: a responder thread shares its process's fate, and every open in
 every marked filesystem waits on it. A stalled agent (the GIL held, a long
 pass, memory pressure, a CPU quota, ``SIGSTOP``) would stall them all, gate or
-no gate. ``host/responder_main.py`` answers in a process of its own; the agent
+no gate. ``guards/peermem/process_main.py`` answers in a process of its own; the agent
 keeps what only it can do (decide, mark, record) and this handle:
 
 - **the gate** is a lease the loop writes (``follow``, at each change and each
-  heartbeat: ``host/hold_lease.py``); the process wakes on an eventfd. A loop
+  heartbeat: ``guards/peermem/lease.py``); the process wakes on an eventfd. A loop
   that stops renewing leaves the lease to run out: loads wait, other opens go;
 - **death, either way.** The agent keeps its own copy of the group (it marks
   through it), so the kernel lets pending opens go only when both are closed:
@@ -20,7 +20,7 @@ keeps what only it can do (decide, mark, record) and this handle:
   - the process dies: the reader thread sees its pipe end, closes the agent's
     copy at once (the kernel allows what was pending), and says so; the
     hold's side starts a new group, process and marks on its next pass
-    (``guards/peermem_hold.py``);
+    (``guards/peermem/side.py``);
 - **what it did** comes back as JSON lines: held opens that ended and notices
   (recorded by the loop as before) and its state (counts, held opens) for
   status.
@@ -34,9 +34,6 @@ import json
 import os
 import select
 import signal
-import socket
-import stat
-import struct
 import subprocess
 import sys
 import threading
@@ -46,9 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import nodeagent
+from nodeagent.guards.peermem.adopt import Adopted, bind_adopt_socket, remove_adopt_socket
+from nodeagent.guards.peermem.budget import DescriptorBudget
+from nodeagent.guards.peermem.lease import HoldLease
+from nodeagent.guards.peermem.reports import BURST_QUIET_S, HoldReport
 from nodeagent.host.fanotify import FanotifyGroup
-from nodeagent.host.hold import BURST_QUIET_S, DescriptorBudget, HoldReport
-from nodeagent.host.hold_lease import HoldLease
 
 READY_TIMEOUT_S = 15.0  # a Python start under a loaded node; the hold marks nothing before
 # Silent this long (its heartbeat is every second) while the agent's reader kept polling: the
@@ -56,13 +55,7 @@ READY_TIMEOUT_S = 15.0  # a Python start under a loaded node; the hold marks not
 # kernel lets what it held go, and a new one is started.
 STUCK_S = 10.0
 STOP_TIMEOUT_S = 2.0  # its held opens let go and its last reports read, else SIGKILL
-# In the agent's state directory while a responder may be adopted (root-only, 0600, its
-# name never followed through a symlink): a responder whose agent died without a stop
-# waits there for the next agent (issue 52).
-ADOPT_SOCKET = "hold.sock"
-ADOPT_TIMEOUT_S = 2.0  # the responder's answer to an adopting agent
 STOP_WORD = b"s"  # written to the life pipe before its end closes: a stop, not a death
-PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 COUNT_KEYS = (
     "allowed",
     "held",
@@ -73,38 +66,6 @@ COUNT_KEYS = (
     "over_cap",
     "faults",
 )
-
-
-def spawner(
-    group: FanotifyGroup,
-    *,
-    budget_s: float,
-    on_report: Callable[[], None] = lambda: None,
-    proc: str = "/proc",
-    ignore_marks: str = "auto",
-    track: Callable[[ResponderProcess], None] = lambda responder: None,
-    adopt_dir: str | None = None,
-) -> Callable[[DescriptorBudget], ResponderProcess]:
-    """``start_hold``'s ``apart``: a responder process for ``group``, started (it answers
-    before the hold marks anything); OSError when it does not. ``track``: given each one
-    before it starts (a start off the loop thread keeps it to ``abort``; an OSError from
-    it: not started)."""
-
-    def start(descriptors: DescriptorBudget) -> ResponderProcess:
-        responder = ResponderProcess(
-            group,
-            budget_s=budget_s,
-            descriptors=descriptors,
-            on_report=on_report,
-            proc=proc,
-            ignore_marks=ignore_marks,
-            adopt_dir=adopt_dir,
-        )
-        track(responder)
-        responder.start()
-        return responder
-
-    return start
 
 
 def exit_words(returncode: int | None) -> str:
@@ -119,7 +80,7 @@ def exit_words(returncode: int | None) -> str:
 
 
 class ResponderProcess:
-    """The responder apart, as the hold's side sees a responder (``host/hold.Responder``'s
+    """The responder apart, as the hold's side sees a responder (``responder.Responder``'s
     reading face: ``counts``, ``reports``, ``notices``, ``held``, ``alive``, ``follow``,
     ``wake``, ``stop``)."""
 
@@ -230,7 +191,7 @@ class ResponderProcess:
         }
         try:
             self._popen = subprocess.Popen(
-                [self.python, "-m", "nodeagent.host.responder_main", json.dumps(spec)],
+                [self.python, "-m", "nodeagent.guards.peermem.process_main", json.dumps(spec)],
                 pass_fds=passed,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -532,181 +493,3 @@ class ResponderProcess:
                 setattr(self, name, -1)
                 with contextlib.suppress(OSError):
                     os.close(fd)
-
-
-# -- adoption (issue 52): a responder whose agent died without a stop ---------------------
-
-
-class Adopted:
-    """A responder process this agent adopted: not its child (the supervisor reaps it), seen
-    through a pidfd (no pid reuse). ``Popen``'s face as ``ResponderProcess`` uses it."""
-
-    ENDED = "ended (an adopted responder: its exit status went to its reaper)"
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.fd = os.pidfd_open(pid)
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.fd < 0:
-            return 0
-        ready = select.poll()
-        ready.register(self.fd, select.POLLIN)
-        return 0 if ready.poll(0) else None  # (readable: it ended)
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        if self.fd < 0:
-            return 0
-        ready = select.poll()
-        ready.register(self.fd, select.POLLIN)
-        if not ready.poll(None if timeout is None else int(timeout * 1000) + 1):
-            raise subprocess.TimeoutExpired(f"responder {self.pid}", timeout or 0.0)
-        return 0
-
-    def kill(self) -> None:
-        if self.fd >= 0:
-            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
-def _state_dir(path: str) -> int:
-    """The state directory, opened without following a symlink, checked root-only (owned by
-    us, writable by nobody else): the adoption socket lives only there."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(fd)
-        raise OSError(f"{path}: not owned by this agent's user alone: no adoption socket there")
-    return fd
-
-
-def _in(dirfd: int) -> str:
-    return f"/proc/self/fd/{dirfd}/{ADOPT_SOCKET}"  # (the opened directory, no lookup again)
-
-
-def bind_adopt_socket(state_dir: str) -> socket.socket:
-    """A new socket bound at ``ADOPT_SOCKET`` (0600; a stale one removed), not listening:
-    the responder listens on it, so a connecting agent's ``SO_PEERCRED`` names it."""
-    dirfd = _state_dir(state_dir)
-    try:
-        _remove(dirfd)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            os.fchmod(sock.fileno(), 0o600)  # the file bind makes takes the socket's mode
-            sock.bind(_in(dirfd))
-        except OSError:
-            sock.close()
-            raise
-        return sock
-    finally:
-        os.close(dirfd)
-
-
-def _remove(dirfd: int) -> None:
-    """Remove ``ADOPT_SOCKET`` if it is there and a socket (anything else: refused)."""
-    try:
-        st = os.stat(ADOPT_SOCKET, dir_fd=dirfd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"{ADOPT_SOCKET} in the state directory is not a socket: left alone")
-    os.unlink(ADOPT_SOCKET, dir_fd=dirfd)
-
-
-def remove_adopt_socket(state_dir: str) -> None:
-    dirfd = _state_dir(state_dir)
-    try:
-        _remove(dirfd)
-    finally:
-        os.close(dirfd)
-
-
-def adopt(
-    state_dir: str,
-    *,
-    budget_s: float,
-    on_report: Callable[[], None] = lambda: None,
-    proc: str = "/proc",
-    timeout: float = ADOPT_TIMEOUT_S,
-) -> ResponderProcess | None:
-    """The responder a dead agent left in ``state_dir``, adopted: it goes on holding what it
-    holds, answers this agent from now on, and gives it its group (to mark through), its
-    lease and its eventfd. None when there is none to adopt (no socket; one nobody listens
-    on is removed). OSError when one answered and the adoption failed: it was killed (what
-    it held went on; the error says so), and the caller starts a new one; or it said its
-    own agent lives (``busy``: left alone)."""
-    try:
-        dirfd = _state_dir(state_dir)
-    except FileNotFoundError:
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
-    got: list[int] = []
-    pid = -1
-    try:
-        try:
-            st = os.stat(ADOPT_SOCKET, dir_fd=dirfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISSOCK(st.st_mode):
-            return None
-        try:
-            sock.connect(_in(dirfd))
-        except (ConnectionRefusedError, FileNotFoundError):  # its responder is gone: stale
-            with contextlib.suppress(OSError):
-                _remove(dirfd)
-            return None
-        pid, uid, _ = PEERCRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
-        )
-        if uid != os.geteuid():
-            raise OSError(f"the adoption socket's listener runs as uid {uid}")
-        life_r, life_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        got += [life_w, out_r]
-        try:
-            request = json.dumps({"t": "adopt", "agent_pid": os.getpid()}).encode()
-            socket.send_fds(sock, [request], [life_r, out_w])
-        finally:
-            os.close(life_r)
-            os.close(out_w)
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
-        got += fds
-        reply = json.loads(msg) if msg else {}
-        if isinstance(reply, dict) and reply.get("t") == "busy":
-            pid = -1  # its agent lives (never under the node's lock): left alone
-            raise OSError("busy: the responder's own agent is alive; not adopted, not killed")
-        if not isinstance(reply, dict) or reply.get("t") != "adopted" or len(fds) != 3:
-            said = reply.get("t") if isinstance(reply, dict) else None
-            raise OSError(f"answered {said!r}, not an adoption")
-        if reply.get("pid") != pid:
-            raise OSError(f"said pid {reply.get('pid')}, its socket another")
-        group_fd, lease_fd, wake_fd = fds
-        process = ResponderProcess(
-            FanotifyGroup.adopt(group_fd),
-            budget_s=budget_s,
-            descriptors=None,  # (start_hold gives this agent's budget)
-            on_report=on_report,
-            proc=proc,
-            adopt_dir=state_dir,
-        )
-        process._adopted(pid, HoldLease.adopt(lease_fd), wake_fd, life_w, out_r, reply)
-        got.clear()  # (the process owns them now)
-        return process
-    except (OSError, ValueError) as exc:
-        for fd in got:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if pid <= 0:
-            raise OSError(str(exc)) from None
-        with contextlib.suppress(OSError):  # it answered and could not be adopted: it must
-            os.kill(pid, signal.SIGKILL)  # not hold on, unseen (what it held goes on)
-        raise OSError(f"the responder {pid}: {exc}; killed") from None
-    finally:
-        sock.close()
-        os.close(dirfd)

@@ -1,69 +1,6 @@
-"""Finds each GPU driver container as it starts and marks its root for the peermem hold.
-
-The driver container loads ``nvidia-peermem`` from its own root (an overlay, new
-at every start), so the hold must mark that overlay's filesystem before the
-container's first ``modprobe``. The mark is placed through ``/proc/<pid>/root``
-(needs the host's PID namespace): the overlay is mounted only in the
-container's mount namespace, and the kernel resolves the magic link to it.
-
-How new processes are noticed: the kernel's exec events
-(``host/procevents.py``: the process events connector), on a thread of its own.
-A runtime's ``runc init`` becomes the entrypoint at ``exec``, later than its pid
-appears, so an exec event is exactly the moment to look: the scanner reads the
-command line of exec'd processes only. A lone exec is looked at as its event
-arrives, and so is a start's burst of a few; under a stream of them, at most once
-every ``batch_s`` (the poll's own interval, 0.1 s: ``hold_scan_seconds``), all
-the events queued meanwhile in one wake: a wake costs
-this thread far more than a read (~300 µs a look against ~20 µs a process on
-the bench VM), so the scanner's cost has a ceiling whatever execs on the node. The subscription
-needs ``CAP_NET_ADMIN`` (the base DaemonSet grants it), the host's network
-namespace (``hostNetwork``: the connector lives in the initial one only) and the
-host's user and pid namespaces (``hostPID``, which marking through
-``/proc/<pid>/root`` needs anyway). A full look at ``/proc`` every
-``full_scan_s`` (2 s) stays as the safety net: the kernel drops an event it
-cannot allocate without a word; a loss the socket reports (``ENOBUFS``) is a
-full scan at once that reads every command line again (any process may have
-exec'd meanwhile). Where the connector refuses (no ack within a second: outside
-the host's user or pid namespace; a bind or send refused) the scanner polls
-``/proc`` every ``interval_s`` (0.1 s) as before, and says so in status
-(``hold.container_scan.mode``) and once as a problem. The full scan lists
-``/proc`` and reads the command line of new processes only, and reads a
-process again on each scan while it is young (``recheck_s``): with exec events
-that is the backstop, polling it is how the entrypoint's exec is seen. A match
-whose root is not yet an overlay of its own (a wrapper before its ``chroot``) is
-looked at again every ``interval_s`` while young too, and named only if it
-still is not when its window ends. ``bench/container_mark.py`` has the figures
-of both modes (start → mark, and CPU at idle with a busy process table).
-
-Which processes: ``core/hold.py`` decides from the command line first. A
-match is marked only when its process can load a module at all: ``CAP_SYS_MODULE``
-in its bounding set (``CapBnd`` in ``/proc/<pid>/status``: no process gains a
-capability its bounding set lacks, and every unprivileged pod lacks this one)
-and the host's user namespace (capabilities are relative to one: ``unshare -U
--r`` shows a full set inside). Anyone can name a process ``nvidia-driver init``;
-only such a process is worth holding, so no other can put its opens, or its
-root, through the responder. And only when its root is an overlay of its own
-(not the host's root, which would put every open on the node through the
-responder, nor the agent's own); one that is not is named once and left alone.
-
-The root is resolved once (``open_root``: an ``O_PATH`` descriptor of
-``/proc/<pid>/root``); that descriptor is checked and marked, so a process
-flipping its root between the check and the mark cannot get another filesystem
-marked. The kernel's list of marks is read back after marking; a root the
-kernel does not list is unmarked and named. A mark the kernel refuses
-(``ENOSPC``: ``max_user_marks`` spent) is named once and tried again every
-full scan period while the process runs. Status shows the device marked.
-
-A marked root is kept while the kernel keeps its mark (``fdinfo``): the kernel
-drops a filesystem mark when its superblock goes (the runtime unmounts the
-container's root), and no descriptor is held on it, so the unmount is never
-refused because of the agent. A root whose container is gone but whose overlay
-is still mounted (e.g. a stale bind at ``/run/nvidia/driver``) stays marked:
-a load through it is the same race. When a mark goes, ``hold-root-gone`` says
-whether its container still runs: its pid's root resolves and the pid is still
-the process marked (its start time, ``/proc/<pid>/stat`` field 22, as at the
-mark: a pid reused by another process is not the container).
-"""
+"""Finds each GPU driver container as it starts and marks its root for the peermem hold
+(``RootScanner``). How new processes are noticed, which are marked and why, and how a
+mark is kept: the wing's ``__init__.py``, "Container roots"."""
 
 from __future__ import annotations
 
@@ -73,112 +10,19 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from nodeagent.core.hold import matching_rule, split_cmdline
+from nodeagent.guards.peermem import procfs
+from nodeagent.guards.peermem.procfs import ContainerRoot
 from nodeagent.host.fanotify import OpenedRoot
 from nodeagent.host.procevents import ConnectorRefused, ExecEvents
 
 OVERLAYFS_SUPER_MAGIC = 0x794C7630
 CMDLINE_BYTES = 4096
-STATUS_BYTES = 8192
-STAT_BYTES = 1024  # /proc/<pid>/stat: 52 numbers and a 16-byte command name
-CAP_SYS_MODULE = 16
 FULL_SCAN_S = 2.0  # with exec events: the safety net's period
 BURST_LOOKS = 8  # with exec events: looks at once before the batch's pace (a start's burst)
 PAUSE_SLICE_S = 0.5  # the pace's sleep, at most, between two looks at ``stop``
-
-
-@dataclass(frozen=True)
-class ContainerRoot:
-    """A driver container's root, marked: its filesystem (``st_dev``) and who led to it."""
-
-    dev: int
-    pid: int
-    rule: str
-    command: str
-    marked_at: float  # the scanner's clock
-    noticed_s: float  # from first seeing the pid to the mark in place
-    mount_ns: tuple[int, int] | None = None  # its process's mount namespace, at the mark
-    # Its process's start time (``/proc/<pid>/stat`` field 22, clock ticks since boot), at
-    # the mark: with the pid, which process it is (a pid is reused, a start time is not).
-    start_time: int | None = None
-
-    def dev_text(self) -> str:
-        return f"{os.major(self.dev)}:{os.minor(self.dev)}"
-
-
-def _ns_id(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def module_loader_check(proc: str = "/proc") -> Callable[[int], str | None]:
-    """Why the process ``pid`` can never load a module, or None when it can: from its
-    bounding set (``CapBnd``) and whether it is in the host's user namespace."""
-
-    def why_not(pid: int) -> str | None:
-        try:
-            with open(f"{proc}/{pid}/status", "rb") as f:
-                status = f.read(STATUS_BYTES)
-        except OSError as exc:
-            return f"cannot read its capabilities ({exc.strerror or exc})"
-        bounding = None
-        for line in status.splitlines():
-            if line.startswith(b"CapBnd:"):
-                with contextlib.suppress(ValueError):
-                    bounding = int(line.split(b":", 1)[1].strip()[:16], 16)
-        if bounding is None:
-            return "cannot read its capabilities (no CapBnd in its status)"
-        if not bounding >> CAP_SYS_MODULE & 1:
-            return "it can never load a module (no CAP_SYS_MODULE in its bounding set)"
-        # The agent's own is the host's: a fanotify permission group needs CAP_SYS_ADMIN in
-        # the initial user namespace, so an agent that holds is in it (pid 1 may be
-        # unreadable where the agent is not given CAP_SYS_PTRACE over it).
-        own, host = _ns_id(f"{proc}/{pid}/ns/user"), _ns_id(f"{proc}/self/ns/user")
-        if own is None or host is None:
-            return "cannot read its user namespace"
-        if own != host:
-            return "it can never load a module (not in the host's user namespace)"
-        return None
-
-    return why_not
-
-
-def _read_head(path: str, size: int) -> bytes:
-    """The first ``size`` bytes of a file: open, one read, close (``open()`` adds an
-    ``fstat``, an ``ioctl`` and an ``lseek``; this runs once per exec on the node)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, size)
-    finally:
-        os.close(fd)
-
-
-def start_time(proc: str, pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (``starttime``), or None when unreadable. The
-    command name (field 2) may hold spaces and parentheses: the fields are counted from
-    the last ``)``."""
-    try:
-        raw = _read_head(f"{proc}/{pid}/stat", STAT_BYTES)
-    except OSError:
-        return None
-    _comm, paren, rest = raw.rpartition(b")")
-    fields = rest.split()
-    if not paren or len(fields) < 20 or not fields[19].isdigit():
-        return None
-    return int(fields[19])  # fields[0] is field 3 (state)
-
-
-def _stat_dev(path: str) -> int | None:
-    try:
-        return os.stat(path).st_dev
-    except OSError:
-        return None
 
 
 class RootScanner:
@@ -206,7 +50,7 @@ class RootScanner:
         """``open_root``: the group's (``FanotifyGroup.open_root``): a root resolved once,
         checked and marked through that one resolution. ``dev_of``: a path's device (the
         host's root, a container's liveness; ``stat``). ``may_load``: why a pid can never
-        load a module, or None (``module_loader_check``; the simulator gives its own).
+        load a module, or None (``procfs.module_loader_check``; the simulator gives its own).
         ``exec_events``: subscribes to the kernel's exec events or raises
         ``ConnectorRefused`` (None: poll only); with them, the full scan runs every
         ``full_scan_s``, else every ``interval_s``; ``batch_s``: with them, the least time
@@ -227,8 +71,8 @@ class RootScanner:
         self._events: ExecEvents | None = None
         self.clock = clock
         self.on_report = on_report
-        self._dev = dev_of or _stat_dev
-        self.may_load = may_load or module_loader_check(proc)
+        self._dev = dev_of or procfs.stat_dev
+        self.may_load = may_load or procfs.module_loader_check(proc)
         self.reports: collections.deque[dict[str, Any]] = collections.deque(maxlen=1024)
         self.reported = 0  # reports ever added (the deque is drained by the loop)
         self.scans = 0
@@ -451,7 +295,7 @@ class RootScanner:
     def _check(self, pid: int, first_seen: float) -> bool:
         """True when ``pid`` needs no further look (matched and handled)."""
         try:
-            argv = split_cmdline(_read_head(f"{self.proc}/{pid}/cmdline", CMDLINE_BYTES))
+            argv = split_cmdline(procfs.read_head(f"{self.proc}/{pid}/cmdline", CMDLINE_BYTES))
         except OSError:
             return False  # gone, or a kernel thread racing: the listing settles it
         rule = matching_rule(argv, self.rules)
@@ -491,7 +335,7 @@ class RootScanner:
             marked = {r.mount_ns: r for r in self._roots.values() if r.mount_ns is not None}
         if not marked:
             return False
-        ns = _ns_id(f"{self.proc}/{pid}/ns/mnt")
+        ns = procfs.ns_id(f"{self.proc}/{pid}/ns/mnt")
         container = marked.get(ns) if ns is not None else None
         if container is None:
             return False
@@ -569,8 +413,8 @@ class RootScanner:
             self._refuse(pid, command, "the kernel lists no mark on the root checked; unmarked")
             return True
         now = self.clock()
-        mount_ns = _ns_id(f"{self.proc}/{pid}/ns/mnt")
-        started = start_time(self.proc, pid)
+        mount_ns = procfs.ns_id(f"{self.proc}/{pid}/ns/mnt")
+        started = procfs.start_time(self.proc, pid)
         marked = ContainerRoot(dev, pid, rule, command, now, now - first_seen, mount_ns, started)
         with self._lock:
             self._roots[dev] = marked
@@ -622,7 +466,7 @@ class RootScanner:
         """
         if self._dev(f"{self.proc}/{root.pid}/root") is None:
             return False
-        return root.start_time is None or start_time(self.proc, root.pid) == root.start_time
+        return root.start_time is None or procfs.start_time(self.proc, root.pid) == root.start_time
 
     def _kernel_marks(self) -> set[int] | None:
         try:

@@ -1,8 +1,8 @@
-"""The hold's responder as a process of its own: ``python -m nodeagent.host.responder_main``.
+"""The hold's responder, a process of its own: ``python -m nodeagent.guards.peermem.process_main``.
 
-The agent starts it (``host/responder_apart.py``) before it marks anything,
+The agent starts it (``guards/peermem/process.py``) before it marks anything,
 with five descriptors and nothing else to read: the fanotify group (shared),
-the gate's lease (a memfd: ``host/hold_lease.py``), an eventfd the agent
+the gate's lease (a memfd: ``guards/peermem/lease.py``), an eventfd the agent
 writes when the gate changes, the read end of a pipe the agent writes once, at
 its stop (this process then lets every held open go and exits, so the group's
 last descriptor goes with the agent; an end without that word is the agent's
@@ -34,9 +34,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from nodeagent.guards.peermem.budget import open_descriptors
+from nodeagent.guards.peermem.lease import read_lease
+from nodeagent.guards.peermem.responder import Responder
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
-from nodeagent.host.hold import Responder, open_descriptors
-from nodeagent.host.hold_lease import read_lease
 
 OUTBOX_MAX = 4 << 20  # bytes of messages kept while the agent does not read (it is stalled)
 STATE_MAX = 64 << 10  # a state message is added only while less than this is waiting
