@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -389,3 +391,33 @@ def test_the_host_layer_has_at_most_20_files() -> None:
     lives in its wing."""
     files = sorted(f.name for f in HOST.glob("*.py"))
     assert len(files) <= 20, files
+
+
+BLOCKED_IMPORT = """
+import importlib.abc, sys
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in sys.argv[2:]:
+            raise ImportError(f"{name} is not importable here")
+sys.meta_path.insert(0, Blocked())
+import importlib
+importlib.import_module(sys.argv[1])
+"""
+
+
+def import_without(module: str, *libraries: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCKED_IMPORT, module, *libraries],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_the_loop_imports_without_the_exporters_libraries() -> None:
+    """loop/ imports no exporter library at import time: a pass needs neither."""
+    p = import_without("nodeagent.loop.passes", "prometheus_client", "psutil")
+    assert p.returncode == 0, p.stderr
+
+
+def test_the_import_check_sees_a_library_imported() -> None:
+    p = import_without("nodeagent.metrics", "prometheus_client", "psutil")
+    assert p.returncode == 1 and "is not importable here" in p.stderr

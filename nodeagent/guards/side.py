@@ -16,9 +16,9 @@ gate. A guard that needs more from the node brings it here, through one
 - ``gate_closing()``: right before its gate's file is withdrawn, on any path
   (a stale or failed publish, a beat that no longer vouches, rule 3);
 - ``after_memory(memory)``: bookkeeping that follows the saved memory (a
-  snapshot file), before the status is written (rule 6);
-- ``after_publish(verdict, published, vouches)``: what follows the gate, at the
-  end of the pass (rule 8);
+  snapshot file), before the status is written (rule 7);
+- ``after_publish(verdict, published, vouches)``: what follows the gate, right
+  after the gates are published and before the other plans start (rule 5);
 - ``beat(published, vouches)``: the loop's heartbeat between passes (every
   ``RENEW_S`` while a gate's lease or a side ``needs_beat()``), right after the
   gates' leases are renewed: a side that keeps a lease of its own in step with
@@ -97,7 +97,7 @@ class GuardSide:
         """Before the first pass of ``run``."""
 
     def protect(self, verdict: Verdict) -> None:
-        """The protective step: right after closed gates' files are withdrawn."""
+        """The protective step: right before closed gates' files are withdrawn (rule 3)."""
 
     def after_memory(self, memory: AgentMemory) -> None:
         """After the pass's memory is saved, before its status."""

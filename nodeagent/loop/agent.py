@@ -19,7 +19,7 @@ from nodeagent.config import Config
 from nodeagent.core.actions import ActionOutcome
 from nodeagent.core.reconcile import AgentMemory
 from nodeagent.guards.side import GuardSide
-from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource, pending
+from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, WakeSource
 from nodeagent.host.fs import HostRoot
 from nodeagent.loop.passes import Passes, PassResult, WakeSchedule
 from nodeagent.loop.records import action_record
@@ -32,15 +32,6 @@ STOP_WAIT_S = 1.0
 # After a wake-up, how long the pass waits for a file just created in a watched directory
 # to be closed by its writer (``FileWatch.settle``): a condition, not a delay.
 SETTLE_S = 0.002
-
-
-def any_pending(sources: Sequence[WakeSource], poke: Poke) -> bool:
-    """Did anything that wakes the loop arrive since the last pass drained its sources?
-    (Before ``run`` has its sources, only the poke can.)"""
-    try:
-        return pending(sources or [poke])
-    except (OSError, ValueError):  # a source closed under us: assume the worst
-        return True
 
 
 class Agent:

@@ -8,7 +8,7 @@ NFD's labels and NPD's files are published from every pass's verdicts. One
 - ``on_record(rec)``: every timeline record;
 - ``on_pass(result, exc)``: every pass, with its result or its exception;
 - ``publish(verdicts)``: inside the pass, after the memory is saved and before
-  the status (``passes.py``, rule 6): its problem, if any, is shown in that
+  the status (``passes.py``, rule 7): its problem, if any, is shown in that
   pass's ``status.json``, and is never held against a gate;
 - ``beat()``: between passes, every ``RENEW_S`` with the leases, for those
   that keep a heartbeat (``needs_beat``);
@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
@@ -37,7 +37,9 @@ from nodeagent.guards.registry import GUARDS, GuardEntry, build_reconciler
 from nodeagent.host.conditions import NpdFiles
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.labels import FeatureFile
-from nodeagent.metrics import MetricsExporter
+
+if TYPE_CHECKING:  # the library behind it is loaded only when metrics are served
+    from nodeagent.metrics import MetricsExporter
 
 log = logging.getLogger("nodeagent.exporters")
 
@@ -211,6 +213,8 @@ def _journal(ctx: ExporterContext, exporters: Exporters) -> None:
 def metrics_exporter(cfg: Config, guards: tuple[GuardEntry, ...] = GUARDS) -> MetricsExporter:
     """The Prometheus exporter with every guard's series and what their host sides
     declare (the hold's, whether the hold is on or off)."""
+    from nodeagent.metrics import MetricsExporter
+
     return MetricsExporter(
         build_reconciler(cfg.policies, cfg.paths, guards).guards,
         mode=cfg.mode,

@@ -16,9 +16,34 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from nodeagent.core.snapshot import NodeSnapshot
+from nodeagent.host.events import Poke, WakeSource, pending
 from nodeagent.host.gatefile import LEASE_S, GateFiles
 
 log = logging.getLogger("nodeagent")
+
+
+def any_pending(sources: Sequence[WakeSource], poke: Poke) -> bool:
+    """Did anything that wakes the loop arrive since the last pass drained its sources?
+    (Before ``run`` has its sources, only the poke can.)"""
+    try:
+        return pending(sources or [poke])
+    except (OSError, ValueError):  # a source closed under us: assume the worst
+        return True
+
+
+class Freshness:
+    """The freshness rule (``passes.py``, rule 5): a decision taken from a snapshot still
+    stands while no event that wakes the loop is pending (its sources, or a poke) and the
+    markers read as they were. The run loop puts its sources in ``watched`` when it
+    starts; before that, only the poke and the markers count."""
+
+    def __init__(self, poke: Poke, markers_unchanged: Callable[[NodeSnapshot], bool]) -> None:
+        self.poke = poke
+        self.markers_unchanged = markers_unchanged
+        self.watched: list[WakeSource] = []
+
+    def __call__(self, snap: NodeSnapshot) -> bool:
+        return not any_pending(self.watched, self.poke) and self.markers_unchanged(snap)
 
 
 class Gates:

@@ -157,12 +157,12 @@ def build_agent(
     those an embedded agent keeps (NFD labels, NPD's files), never a socket or a port."""
     # The acting half, imported here: ``check`` never loads libkmod, tenacity or the loop.
     from nodeagent.host.act import EXECUTORS, Actuator, kmsg_reader
-    from nodeagent.host.events import Poke, WakeSource
+    from nodeagent.host.events import Poke
     from nodeagent.host.gatefile import GateFiles
     from nodeagent.host.kmod import default_module_ops
-    from nodeagent.loop.agent import Agent, any_pending
+    from nodeagent.loop.agent import Agent
     from nodeagent.loop.exporters import build_exporters
-    from nodeagent.loop.gates import Gates
+    from nodeagent.loop.gates import Freshness, Gates
     from nodeagent.loop.passes import Passes
     from nodeagent.loop.records import Bookkeeping
     from nodeagent.loop.workers import PlanWorkers
@@ -215,7 +215,6 @@ def build_agent(
         on_done=lambda g: plans_ended.poke(f"plan of {g} ended"),
         threaded=not hooks.stepped_plans,
     )
-    watched: list[WakeSource] = []  # the run loop fills it
 
     def sides_close(guard: str) -> None:
         """Protective first: a gate's side (the hold) closes before its file goes."""
@@ -223,10 +222,7 @@ def build_agent(
         if side is not None:
             side.gate_closing()
 
-    def fresh(snap: NodeSnapshot) -> bool:
-        """Does the decision taken from ``snap`` still stand: no event since, markers as seen?"""
-        return not any_pending(watched, poke) and observer.markers_unchanged(snap)
-
+    fresh = Freshness(poke, observer.markers_unchanged)  # the run loop fills its watched
     gates = Gates(
         GateFiles(host, cfg.paths.state_dir, before_withdraw=sides_close),
         reconciler.gates,
@@ -260,5 +256,5 @@ def build_agent(
         poke=poke,
         plans_ended=plans_ended,
         wake_sources=ports.wake_sources,
-        watched=watched,
+        watched=fresh.watched,
     )

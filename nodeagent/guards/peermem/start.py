@@ -141,7 +141,7 @@ def start_hold(
     marked is named and skipped. Before it starts, the descriptor limit is raised and the
     caps on held opens fitted in it (``budget``: a test's own plan instead). ``apart``:
     starts the responder as a process of its own, given the budget
-    (``guards/peermem/process.spawner``; OSError when it does not answer); without it, a
+    (``spawner``; OSError when it does not answer); without it, a
     thread of this process (or none: stepped). The responder answers before the first
     mark: a process apart has read every file it needs by then.
     """
