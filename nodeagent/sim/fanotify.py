@@ -74,6 +74,8 @@ class SimFanotify:
         self._waiting: dict[int, PendingOpen] = {}
         self._pipe = Poke()  # readable while events are queued (a threaded responder polls it)
         self.events = 0
+        self.unlimited_queue = True  # the simulator's queue never overflows
+        self.queue_problem: str | None = None
 
     # -- the group's API (HoldGroup) ---------------------------------------------
 

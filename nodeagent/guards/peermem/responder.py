@@ -189,6 +189,21 @@ class Responder:
         """The gate may have changed: look now (cheap, never blocks)."""
         self._wake.poke("gate")
 
+    # A thread of the agent's: no process of its own, never adopted, never dies apart.
+    pid: int | None = None
+    adopted_from: dict[str, Any] | None = None
+    died: str | None = None
+
+    def held_count(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def ignore_status(self) -> dict[str, Any] | None:
+        return None  # its caller's ignore marks (``ignore``), not its own
+
+    def descriptors_in_use(self) -> int | None:
+        return None  # its held opens' descriptors are the agent's own
+
     def held(self) -> list[tuple[int, str, str, float]]:
         """(pid, opener, path, seconds held) of every open held now."""
         now = self.clock()

@@ -3,6 +3,7 @@ new one started off the loop thread (``Replacement``), adopted by a later pass."
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -10,6 +11,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from nodeagent.guards.peermem.process import ResponderProcess
     from nodeagent.guards.peermem.start import HoldGroup, HoldHost, HoldResponder
+
+
+class ResponderState(enum.Enum):
+    """Where the hold's responder is (``PeermemHold.phase``); its value opens the status
+    phrase (``state``), which says why where there is a why."""
+
+    NOT_STARTED = "not started"
+    STARTING = "starting"  # off the loop thread; a later pass adopts it
+    RUNNING = "running"
+    STOPPED = "stopped"  # it no longer answers (a pass replaces it)
+    RETRYING = "retrying"  # a start failed: tried again with backoff
+    OFF = "off"  # off after RESTARTS_MAX restarts in the window, until the agent restarts
+
 
 RESTARTS_MAX = 5  # new responders after a death, within the window; then the hold stays off
 RESTART_WINDOW_S = 600.0

@@ -38,6 +38,7 @@ from nodeagent.guards.peermem.restarts import (
     RESTART_WINDOW_S,
     RESTARTS_MAX,
     Replacement,
+    ResponderState,
 )
 from nodeagent.guards.peermem.side_start import RUNNING_FILE, HoldStarts
 from nodeagent.guards.peermem.status import (
@@ -116,19 +117,29 @@ class PeermemHold(HoldStarts, GuardSide):
         return {self.ctx.paths.state_dir: (RUNNING_FILE,)}
 
     @property
+    def phase(self) -> ResponderState:
+        """Where the responder is, and so the hold."""
+        if self.off is not None:
+            return ResponderState.OFF
+        if self.hold is not None:
+            return ResponderState.RUNNING if self.hold.alive() else ResponderState.STOPPED
+        if self.retry_at is not None and self.last_failure:
+            return ResponderState.RETRYING
+        if self.replacement is not None:
+            return ResponderState.STARTING
+        return ResponderState.NOT_STARTED
+
+    @property
     def state(self) -> str:
         """One phrase: starting, running, retrying: <why>, off after N restarts: <why>."""
-        if self.off is not None:
-            return self.off
-        if self.hold is not None and self.hold.alive():
-            return "running"
-        if self.hold is not None:
-            return "stopped: its responder no longer answers"
-        if self.retry_at is not None and self.last_failure:
-            return f"retrying: {self.last_failure}"
-        if self.replacement is not None:
-            return "starting"
-        return "not started"
+        phase = self.phase
+        if phase is ResponderState.OFF:
+            return self.off or phase.value
+        if phase is ResponderState.STOPPED:
+            return f"{phase.value}: its responder no longer answers"
+        if phase is ResponderState.RETRYING:
+            return f"{phase.value}: {self.last_failure}"
+        return phase.value
 
     def problems(self) -> list[str]:
         """Configured and not holding, or a root not marked: said at every pass meanwhile."""
@@ -261,7 +272,7 @@ class PeermemHold(HoldStarts, GuardSide):
         """A responder process that died: its pending opens went when the agent closed its
         copy of the group; start a new group, process and marks (at most ``RESTARTS_MAX``
         times in ``RESTART_WINDOW_S``), recording what the old one said first."""
-        died = getattr(self.hold, "died", None)
+        died = self.hold.died if self.hold is not None else None
         if self.hold is None or died is None:
             return
         self._record_holds()  # its death notice, and what it said before

@@ -204,8 +204,8 @@ class HoldStarts:
             ctx.record({"kind": "state-problem", "problem": f"peermem.hold_loads: {exc}"})
             return None
         # A group without an unlimited queue holds until its queue overflows: weaker, said.
-        self.unlimited_queue = getattr(group, "unlimited_queue", True)
-        queue_problem = getattr(group, "queue_problem", None)
+        self.unlimited_queue = group.unlimited_queue
+        queue_problem = group.queue_problem
         if queue_problem:
             log.warning("%s", queue_problem)
             ctx.record({"kind": "state-problem", "problem": queue_problem})

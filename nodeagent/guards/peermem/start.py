@@ -57,7 +57,23 @@ class HoldResponder(Protocol):
     reports: collections.deque[HoldReport]
     notices: collections.deque[dict[str, Any]]
     reported: int
+    reports_lost: int  # reports pushed out before the loop read them
     descriptors: DescriptorBudget | None
+    pid: int | None  # its own process's, or None (a thread of the agent's)
+    adopted_from: dict[str, Any] | None  # what it said when this agent adopted it
+    died: str | None  # how its process ended, if it did while it mattered
+
+    def held_count(self) -> int:
+        """Exact, where ``held`` may list only some."""
+        ...
+
+    def ignore_status(self) -> dict[str, Any] | None:
+        """Its ignore marks (mode, how many), or None without them."""
+        ...
+
+    def descriptors_in_use(self) -> int | None:
+        """Descriptors its own process holds, or None (a thread's are the agent's)."""
+        ...
 
     @property
     def counts(self) -> dict[str, int]: ...
@@ -76,6 +92,9 @@ class HoldResponder(Protocol):
 class HoldGroup(EventSource, Protocol):
     """A permission group the hold can mark: the kernel's fanotify group, or the
     simulator's."""
+
+    unlimited_queue: bool  # the kernel took FAN_UNLIMITED_QUEUE (else overflows let opens go)
+    queue_problem: str | None  # what a bounded queue means, said once
 
     def mark_filesystem(self, path: str) -> None: ...
 

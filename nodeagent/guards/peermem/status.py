@@ -39,13 +39,13 @@ def running_status(
         "counts": dict(hold.counts),
         "responder": "answering" if hold.alive() else "stopped",
         # Its own process (pid), or a thread of the agent's (None); replaced after deaths.
-        "responder_pid": getattr(hold, "pid", None),
+        "responder_pid": hold.pid,
         "responder_restarts": restarts,
         # The responder a dead agent left, adopted by this one (issue 52).
-        "responder_adopted": getattr(hold, "adopted_from", None) is not None,
+        "responder_adopted": hold.adopted_from is not None,
         # Non-target files filtered in the kernel after their first open: how
         # (evictable, pinned, off), how many; None for a responder without them.
-        "ignore_marks": ignore_status(hold),
+        "ignore_marks": hold.ignore_status(),
         # Descriptors: the limit (raised to the hard one at start), the reserve kept for
         # the rest of the agent, the caps on held opens fitted in what is left, in use now.
         "descriptors": descriptors(hold),
@@ -102,16 +102,8 @@ def starting_status(
 
 
 def held_count(hold: HoldResponder | None) -> int:
-    """Exact, where the responder lists only some (apart: ``held_count``)."""
-    if hold is None:
-        return 0
-    count = getattr(hold, "held_count", None)
-    return int(count()) if count is not None else len(hold.held())
-
-
-def ignore_status(hold: HoldResponder | None) -> dict[str, Any] | None:
-    status = getattr(hold, "ignore_status", None)
-    return status() if status is not None else None
+    """Exact, where the responder lists only some."""
+    return hold.held_count() if hold is not None else 0
 
 
 def descriptors(hold: HoldResponder | None) -> dict[str, int] | None:
@@ -122,9 +114,9 @@ def descriptors(hold: HoldResponder | None) -> dict[str, int] | None:
 
     out = budget.status()
     out["in_use"] = open_descriptors()
-    responder_fds = getattr(hold, "descriptors_in_use", None)
+    responder_fds = hold.descriptors_in_use() if hold is not None else None
     if responder_fds is not None:  # apart: held opens' descriptors are its own
-        out["responder_in_use"] = responder_fds()
+        out["responder_in_use"] = responder_fds
     out["held_now"] = held_count(hold)
     return out
 
@@ -144,7 +136,7 @@ def record_holds(
         notice = hold.notices.popleft()
         log.warning("peermem hold: %s (%s times)", notice.get("meaning"), notice.get("count"))
         record({**notice, "guard": guard})
-    lost = int(getattr(hold, "reports_lost", 0))
+    lost = hold.reports_lost
     if lost > lost_said:
         record(
             {
