@@ -10,7 +10,7 @@ so the pid appears under ``/proc`` first as ``unshare …`` and becomes
 ``runc init`` becoming the entrypoint. Closing its stdin ends it, and its mount
 namespace, and so the overlay, go with it.
 
-Used by ``tests/test_container_roots.py`` on this machine's kernel and by the
+Used by ``tests/guards/peermem/test_container_roots.py`` on this machine's kernel and by the
 real-kernel suite, where modules are loaded from the same kind of root.
 """
 

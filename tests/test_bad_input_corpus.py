@@ -31,9 +31,8 @@ import zstandard
 from nodeagent.cli import main
 from nodeagent.host import gatefile
 from nodeagent.sim.node import BLACKLIST, READY
-
-from .healthy import KVER, healthy_node
-from .waiting import WAIT
+from tests.healthy import KVER, healthy_node
+from tests.waiting import WAIT
 
 GPU_DIR = f"run/nvidia/driver/lib/modules/{KVER}"
 MOFED_DIR = f"run/mellanox/drivers/lib/modules/{KVER}"

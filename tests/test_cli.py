@@ -16,8 +16,7 @@ import pytest
 from nodeagent.cli import main
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import RENEW_S, GateFiles
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 PY = sys.executable
 

@@ -49,9 +49,8 @@ from nodeagent.host.fanotify import (
     FanotifyGroup,
     _libc,
 )
-
-from .test_fanotify_hold import _mount_tmpfs
-from .waiting import until
+from tests.guards.peermem.test_fanotify_hold import _mount_tmpfs
+from tests.waiting import until
 
 FAN_MARK_IGNORE = 0x00000400  # 6.0: an ignore mask, meant for directories and sb marks
 FAN_MARK_IGNORED_SURV_MODIFY = 0x00000040

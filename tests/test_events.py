@@ -12,8 +12,7 @@ import pytest
 
 from nodeagent.host import events
 from nodeagent.host.events import FileWatch, Poke, UeventSource, Waker, nearest_existing, pending
-
-from .waiting import WAIT
+from tests.waiting import WAIT
 
 
 def wait_for(waker: Waker, pred, timeout: float = WAIT) -> list[str]:
@@ -214,8 +213,7 @@ def test_explained_events_wake_but_leave_a_decision_fresh(tmp_path: Path) -> Non
 def test_the_agent_explains_only_events_in_directories_of_markers(tmp_path: Path) -> None:
     from nodeagent.agent import Agent
     from nodeagent.config import Config
-
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     node = healthy_node(tmp_path)
     agent = Agent(

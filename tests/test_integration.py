@@ -20,8 +20,7 @@ from nodeagent.config import Config
 from nodeagent.sim.modtree import GPU_MODULES
 from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
 from nodeagent.sim.scenarios import NVIDIA, stack_node
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 KVER = "6.1.0-test"
 STACK = ("mlx5_core", "mlx5_ib", "ib_uverbs")  # ib_core comes with them

@@ -18,9 +18,8 @@ from nodeagent.core.guard import Verdict
 from nodeagent.core.labels import DEFAULT_PREFIX, check_prefix, label_value, node_labels
 from nodeagent.errors import NodeagentError
 from nodeagent.sim.node import READY
-
-from .healthy import healthy_node
-from .waiting import WAIT, until
+from tests.healthy import healthy_node
+from tests.waiting import WAIT, until
 
 FEATURES = "etc/kubernetes/node-feature-discovery/features.d"
 P = DEFAULT_PREFIX

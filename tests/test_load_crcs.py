@@ -26,8 +26,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod
 from nodeagent.host.observe import Observer
 from nodeagent.sim.kofile import write_module_file
-
-from .kobuild import require_tool
+from tests.kobuild import require_tool
 
 KVER = "6.1.0-crc-test"
 MOFED = "run/mellanox/drivers"

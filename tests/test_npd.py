@@ -36,9 +36,8 @@ from nodeagent.core.guard import Verdict
 from nodeagent.guards.registry import GUARDS
 from nodeagent.journal import message
 from nodeagent.sim.node import READY
-
-from .healthy import healthy_node
-from .waiting import WAIT, until
+from tests.healthy import healthy_node
+from tests.waiting import WAIT, until
 
 REPO = Path(__file__).resolve().parent.parent
 NPD = REPO / "deploy/npd"

@@ -23,8 +23,7 @@ from nodeagent.host.act import Actuator, Handler, NodeHands
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.observe import Observer, Readers
 from nodeagent.loop.workers import execute_plan
-
-from .waiting import WAIT
+from tests.waiting import WAIT
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,7 @@ from nodeagent.host.procevents import (
     _attach_filter,
     parse,
 )
-
-from .waiting import until
+from tests.waiting import until
 
 
 @pytest.fixture

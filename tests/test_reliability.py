@@ -30,9 +30,8 @@ from nodeagent.host import fs
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import lease_clock
 from nodeagent.sim.node import GATE, READY
-
-from .healthy import healthy_node
-from .waiting import WAIT, until
+from tests.healthy import healthy_node
+from tests.waiting import WAIT, until
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parents[1]

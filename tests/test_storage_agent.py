@@ -15,8 +15,7 @@ from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
 from nodeagent.core.storage import LOCK_LOOK_S, LOCK_RELOOK_S
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 HOLD = "etc/modprobe.d/nodeagent-storage-hold.conf"
 LOCK = "run/mellanox/drivers/.lock"

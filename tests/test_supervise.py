@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from nodeagent.supervise import children
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ characters, and anyone can write one into the journal with ``logger``): no two
 unbounded repeats that can take the same text, no unbounded repeat that can
 re-run over the literal before it when ``search`` restarts there (the shape
 ``/sys/\\S*/net``: every ``/sys/`` in a long run scanned the rest of the run, 0.5
-MB/s), no unbounded repeat of a group holding one. tests/test_explain_linear.py
+MB/s), no unbounded repeat of a group holding one. tests/explain/test_explain_linear.py
 checks each pattern's shape and times hostile lines built from its pieces.
 """
 

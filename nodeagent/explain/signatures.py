@@ -340,7 +340,7 @@ SIGNATURES: tuple[Signature, ...] = (
         re.compile(r"[Rr](?i:estore_sriov_config)"),
         "seed 003",
         # none of these letters has a case-blind match that lower() does not turn into
-        # it (s has: U+017F; i has: U+0131); tests/test_explain_linear.py checks
+        # it (s has: U+017F; i has: U+0131); tests/explain/test_explain_linear.py checks
         ("tore",),
     ),
     Signature(
@@ -356,7 +356,7 @@ SIGNATURES: tuple[Signature, ...] = (
 
 # Cheap before any per-line work: a chunk without one of these words (in any case) has no
 # evidence (``may_have_evidence``: one RE2 pass; Python's re runs such an alternation at
-# ~20 MB/s). Each signature's lines have one of them (tests/test_explain_linear.py
+# ~20 MB/s). Each signature's lines have one of them (tests/explain/test_explain_linear.py
 # checks): not its own ``needs``, some of which ("tore") are in most chunks.
 PREFILTER_WORDS = (
     b"peermem",

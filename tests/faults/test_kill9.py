@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from nodeagent.sim.node import BLACKLIST, GATE, READY
+from tests.faults.runner import STEPS
 
 from ..healthy import healthy_node
-from .runner import STEPS
 
 PEERMEM = Path("sys/module/nvidia_peermem")
 

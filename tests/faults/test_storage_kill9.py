@@ -25,9 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.storage_runner import SlowFileKernel, agent, make_module
+
 from ..test_storage_agent import HOLD, node
 from ..waiting import WAIT, until
-from .storage_runner import SlowFileKernel, agent, make_module
 
 MODULES = ("ib_iser", "ib_srp", "rpcrdma")
 READY = "run/mellanox/drivers/.driver-ready"

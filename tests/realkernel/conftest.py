@@ -4,7 +4,7 @@ Tests marked ``@pytest.mark.realkernel`` run inside a stock Debian kernel
 booted once per session under QEMU; the host reports their guest outcome.
 """
 
-from .plugin import (  # noqa: F401  (hooks and fixtures, found by pytest by name)
+from tests.realkernel.plugin import (  # noqa: F401  (hooks and fixtures, found by pytest by name)
     built_modules,
     pytest_collection_modifyitems,
     pytest_configure,

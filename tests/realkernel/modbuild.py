@@ -2,7 +2,7 @@
 
 Declare a module as a module-level global of a test file in tests/realkernel/::
 
-    from .modbuild import KModule
+    from tests.realkernel.modbuild import KModule
 
     FAKE_IB = KModule("fake_ib", {"fake_ib.c": FAKE_IB_C})
     PEERMEM = KModule("fake_peermem", {"fake_peermem.c": SRC}, uses=(FAKE_IB,))
@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import setup as rksetup
+from tests.realkernel import setup as rksetup
 
 BUILD_RECIPE = 1
 STAMP = ".nodeagent-built"

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from . import modbuild, vm
-from . import setup as rksetup
-from .modbuild import KModule
+from tests.realkernel import modbuild, vm
+from tests.realkernel import setup as rksetup
+from tests.realkernel.modbuild import KModule
 
 IN_GUEST = os.environ.get("NODEAGENT_IN_GUEST") == "1"
 ENV_RESULTS = "NODEAGENT_REALKERNEL_RESULTS"  # guest: where to write the result JSON

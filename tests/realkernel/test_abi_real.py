@@ -31,8 +31,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError
 from nodeagent.host.modfile import read_module_file
 from nodeagent.host.observe import Observer, disk_module
-
-from .modbuild import KModule
+from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
 

@@ -34,10 +34,10 @@ from nodeagent.core.hold import DRIVER_CONTAINER_RULES
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.guards.peermem.roots import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
+from tests.realkernel.modbuild import KModule, symbol_provider, symbol_user
 
 from .. import containerroot, waiting
 from ..containerroot import Container
-from .modbuild import KModule, symbol_provider, symbol_user
 
 pytestmark = pytest.mark.realkernel
 

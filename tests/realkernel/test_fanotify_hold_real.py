@@ -26,9 +26,9 @@ import pytest
 
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.host.fanotify import FanotifyGroup
+from tests.realkernel.modbuild import KModule, symbol_provider, symbol_user
 
 from .. import waiting
-from .modbuild import KModule, symbol_provider, symbol_user
 
 pytestmark = pytest.mark.realkernel
 

@@ -1,7 +1,7 @@
 """An agent crash is not a pod death (issue 52) on the real Debian 6.1 kernel (QEMU): the
 same supervisor, agent processes, real fanotify mark and real held open as
-``tests/test_hold_adopt.py``, inside the guest (SCM_RIGHTS of a fanotify group, pidfd,
-PR_SET_CHILD_SUBREAPER on that kernel)."""
+``tests/guards/peermem/test_hold_adopt.py``, inside the guest (SCM_RIGHTS of a fanotify
+group, pidfd, PR_SET_CHILD_SUBREAPER on that kernel)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ..test_hold_adopt import (
+from tests.guards.peermem.test_hold_adopt import (
     test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it as _adopt,
 )
 

@@ -28,8 +28,7 @@ from nodeagent.host.kmod import LibKmod, ModuleOpError
 from nodeagent.host.moddep import find_module
 from nodeagent.host.modfile import parse_build_id_note, read_module_file
 from nodeagent.host.observe import Observer, disk_module
-
-from .modbuild import KModule
+from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
 

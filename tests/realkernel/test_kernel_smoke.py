@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.realkernel.modbuild import KModule
+from tests.realkernel.setup import Kernel
+
 from ..waiting import until
-from .modbuild import KModule
-from .setup import Kernel
 
 pytestmark = pytest.mark.realkernel
 

@@ -24,8 +24,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError, ModuleOps
 from nodeagent.host.moddep import find_module
 from nodeagent.host.observe import Observer
-
-from .modbuild import KModule
+from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
 

@@ -35,9 +35,8 @@ from nodeagent.host.act import Actuator, kmsg_reader
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModuleOpError
 from nodeagent.host.observe import Observer
-
-from .modbuild import KModule
-from .test_kmod_real import _loaded
+from tests.realkernel.modbuild import KModule
+from tests.realkernel.test_kmod_real import _loaded
 
 pytestmark = pytest.mark.realkernel
 

@@ -28,8 +28,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError, insert_module_fd
 from nodeagent.host.modfile import read_module_fd
 from nodeagent.host.observe import Observer
-
-from .modbuild import KModule
+from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
 

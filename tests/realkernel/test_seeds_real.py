@@ -47,10 +47,11 @@ from typing import Any
 
 import pytest
 
+from tests.realkernel.guest_agent import GuestAgent
+from tests.realkernel.modbuild import KModule
+
 from .. import containerroot, waiting
 from ..containerroot import Container
-from .guest_agent import GuestAgent
-from .modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
 

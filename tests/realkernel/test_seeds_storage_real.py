@@ -32,11 +32,10 @@ import pytest
 
 from tests import waiting
 from tests.kobuild import require_tool
-
-from .guest_agent import GuestAgent
-from .test_kmod_real import _loaded
-from .test_seeds_real import _kernel_lines
-from .test_storage_real import HOLD, LOCK, MOFED, READY, STORAGE, _force_back, _run
+from tests.realkernel.guest_agent import GuestAgent
+from tests.realkernel.test_kmod_real import _loaded
+from tests.realkernel.test_seeds_real import _kernel_lines
+from tests.realkernel.test_storage_real import HOLD, LOCK, MOFED, READY, STORAGE, _force_back, _run
 
 pytestmark = pytest.mark.realkernel
 

@@ -30,9 +30,8 @@ from typing import Any
 
 import pytest
 
-from .. import waiting
-from .guest_agent import HOLD_CONFIG, GuestAgent
-from .test_seeds_real import (
+from tests.realkernel.guest_agent import HOLD_CONFIG, GuestAgent
+from tests.realkernel.test_seeds_real import (
     BLACKLIST,
     MOFED_PROLOGUE,
     MOFED_ROOT,
@@ -41,7 +40,19 @@ from .test_seeds_real import (
     Mofed,
     start_mofed,
 )
-from .test_sriov_real import PCI, bind, configure, igb_pf, link, numvfs, vf_pci, vfinfo, wanted
+from tests.realkernel.test_sriov_real import (
+    PCI,
+    bind,
+    configure,
+    igb_pf,
+    link,
+    numvfs,
+    vf_pci,
+    vfinfo,
+    wanted,
+)
+
+from .. import waiting
 
 pytestmark = pytest.mark.realkernel
 

@@ -32,8 +32,7 @@ from nodeagent.host.kmod import LibKmod, ModuleOpError
 from nodeagent.host.moddep import module_dependencies
 from nodeagent.host.observe import Observer
 from tests.kobuild import require_tool
-
-from .test_kmod_real import _loaded, _moddir
+from tests.realkernel.test_kmod_real import _loaded, _moddir
 
 pytestmark = pytest.mark.realkernel
 

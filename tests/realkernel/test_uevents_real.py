@@ -13,8 +13,7 @@ import pytest
 
 from nodeagent.host.events import UeventSource, Waker
 from nodeagent.host.kmod import LibKmod
-
-from .modbuild import KModule
+from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
 

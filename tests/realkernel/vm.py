@@ -33,8 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import setup as rksetup
-from .setup import GUEST_SHARED, INIT_CMDLINE_KEY, Kernel
+from tests.realkernel import setup as rksetup
+from tests.realkernel.setup import GUEST_SHARED, INIT_CMDLINE_KEY, Kernel
 
 QBOOT = Path("/usr/share/qemu/qboot.rom")  # minimal firmware: faster than SeaBIOS
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -21,8 +21,7 @@ from nodeagent.core.sriov import SriovMemory, SriovPolicy
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel, VfConfig
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 KVER = "6.1.0-restart"
 PF, PF_PCI = "enp1s0f0", "0000:01:00.0"

@@ -21,7 +21,7 @@ from nodeagent.core.sriov_model import (
     snapshot_from_json,
     snapshot_to_json,
 )
-from tests.sriov_world import PF_PCI, READ_FAILURES, World, wanted
+from tests.guards.sriov.sriov_world import PF_PCI, READ_FAILURES, World, wanted
 from tests.waiting import WAIT
 
 POLICY = SriovPolicy(numvfs_grace_s=30, vf_deadline_s=60, poll_s=2, retry_base_s=0.5)

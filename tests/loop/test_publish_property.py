@@ -31,10 +31,9 @@ from nodeagent.core.mofed import restart_signals
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
 from nodeagent.sim.node import Node
-
-from .healthy import healthy_node
-from .test_gate_property import NODE_CHANGES, change
-from .waiting import WAIT, until
+from tests.healthy import healthy_node
+from tests.loop.test_gate_property import NODE_CHANGES, change
+from tests.waiting import WAIT, until
 
 PEERMEM = "nvidia_peermem"
 

@@ -23,9 +23,9 @@ import pytest
 
 from nodeagent.guards.peermem.adopt import ADOPT_SOCKET
 from nodeagent.sim.node import READY
-
-from .test_hold_upgrade import _held, _kinds, responder_running
-from .test_responder_apart import (
+from tests.guards.peermem.test_hold_upgrade import _held, _kinds, responder_running
+from tests.guards.peermem.test_responder_apart import (
+    APART_AGENT,
     REPO,
     _alive,
     _hold_status,
@@ -33,7 +33,7 @@ from .test_responder_apart import (
     _unmounted,
     driver_root,
 )
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 
 def _supervised(root: Path) -> subprocess.Popen[bytes]:
@@ -42,7 +42,15 @@ def _supervised(root: Path) -> subprocess.Popen[bytes]:
         "sys.exit(Supervisor(sys.argv[1:]).run())"
     )
     return subprocess.Popen(
-        [sys.executable, "-c", code, sys.executable, "-m", "tests.apart_agent", str(root)],
+        [
+            sys.executable,
+            "-c",
+            code,
+            sys.executable,
+            "-m",
+            "tests.guards.peermem.apart_agent",
+            str(root),
+        ],
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -53,11 +61,11 @@ def _supervised(root: Path) -> subprocess.Popen[bytes]:
 def _agent_pid(sup: int) -> int | None:
     from nodeagent.supervise import children
 
-    # The agent is the supervisor's child that runs tests.apart_agent (a responder left
-    # behind is its child too, until it ends).
+    # The agent is the supervisor's child that runs APART_AGENT (a responder left behind
+    # is its child too, until it ends).
     for pid in children(sup):
         with contextlib.suppress(OSError):
-            if b"tests.apart_agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if APART_AGENT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
     return None
 

@@ -38,9 +38,8 @@ from nodeagent.guards.peermem.budget import descriptor_budget
 from nodeagent.guards.peermem.process import ResponderProcess
 from nodeagent.guards.peermem.start import sees_host_pids, spawner, start_hold
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
-
-from .test_fanotify_hold import _mount_tmpfs
-from .waiting import WAIT, until
+from tests.guards.peermem.test_fanotify_hold import _mount_tmpfs
+from tests.waiting import WAIT, until
 
 KVER = "6.1.0-test"
 # An ELF64 little-endian relocatable object's first bytes, as every .ko starts.

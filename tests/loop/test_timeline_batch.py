@@ -16,8 +16,7 @@ from typing import Any
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
-
-from .healthy import healthy_node
+from tests.healthy import healthy_node
 
 
 def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Path) -> None:

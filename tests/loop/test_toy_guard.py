@@ -1,6 +1,6 @@
 """A guard is its own file plus one entry: a toy guard plugged in with nothing else changed.
 
-The toy guard (tests/toyguard.py) is appended to the real guard list and the
+The toy guard (tests/loop/toyguard.py) is appended to the real guard list and the
 real agent is built from it through the one composition root. A pass sees
 its decision; its action, of a kind no shared executor knows, is carried out
 by its host side; its record, its memory, its part of status.json and its
@@ -19,10 +19,9 @@ from nodeagent.guards.registry import GUARDS, GuardEntry, build_reconciler
 from nodeagent.host.ports import HostPorts
 from nodeagent.loop.wiring import LoopHooks, build_agent
 from nodeagent.metrics import MetricsExporter
-
-from .healthy import healthy_node
-from .toyguard import BELL, RUNG, ToyGuard, ToyPolicy, ToySide, parse_policy
-from .waiting import WAIT
+from tests.healthy import healthy_node
+from tests.loop.toyguard import BELL, RUNG, ToyGuard, ToyPolicy, ToySide, parse_policy
+from tests.waiting import WAIT
 
 TOY = GuardEntry("toy", ToyPolicy(), parse_policy, ToyGuard, ToySide)
 

@@ -26,8 +26,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.sim.kernel import PF_FIELDS, SimKernel
 from nodeagent.sim.modtree import RDMA_MODULES, Generation, depmod, install_generation
 from nodeagent.sim.netlink import SimSriovOps
-
-from .waiting import WAIT
+from tests.waiting import WAIT
 
 KVER = "6.1.0-sim"
 PF, PF_PCI = "enp1s0f0", "0000:01:00.0"

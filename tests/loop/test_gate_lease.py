@@ -29,8 +29,7 @@ from hypothesis import strategies as st
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S, GateFiles, lease_clock
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 GATE = "run/nodeagent/peermem.gate"
 
@@ -141,8 +140,7 @@ def running(tmp_path: Path) -> Iterator[tuple[Path, object]]:
     """The real agent loop (enforce, real inotify) on a healthy node whose gate is open."""
     from nodeagent.agent import Agent
     from nodeagent.config import Config
-
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     node = healthy_node(tmp_path)
     cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, resync_seconds=3600)
@@ -273,7 +271,7 @@ def _all_stopped(pid: int) -> bool:
 
 
 def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) -> None:
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     node = healthy_node(tmp_path)
     proc = subprocess.Popen(
@@ -340,8 +338,7 @@ def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
 ) -> None:
     from nodeagent.agent import Agent, SteadyClock
     from nodeagent.config import Config
-
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     node = healthy_node(tmp_path)
     offset = [0.0]

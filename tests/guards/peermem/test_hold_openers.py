@@ -20,8 +20,7 @@ import pytest
 
 from nodeagent.guards.peermem.openers import opener_may_load
 from nodeagent.sim.node import READY
-
-from .test_responder_apart import (
+from tests.guards.peermem.test_responder_apart import (
     _agent_here,
     _held_pids,
     _loader,
@@ -29,7 +28,7 @@ from .test_responder_apart import (
     _unmounted,
     driver_root,
 )
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 
 def test_opener_may_load_reads_the_capability_and_the_namespace(tmp_path: Path) -> None:

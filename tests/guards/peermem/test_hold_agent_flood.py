@@ -9,7 +9,7 @@ own). While they are held: ``/healthz`` answers, another process's open on
 the marked filesystem completes, and the opens past the cap are one timeline
 record. Then MOFED's ready flag opens the gate and every held open goes on;
 without the flag again the gate file is withdrawn. The responder's own
-bounds (caps, descriptors) are tests/test_fanotify_hold.py's part.
+bounds (caps, descriptors) are tests/guards/peermem/test_fanotify_hold.py's part.
 
 In this process, not a subprocess: the daemon's exporters (the metrics endpoint) and
 its agent from ``loop.wiring.build_agent``, with the simulated kernel's module
@@ -38,11 +38,10 @@ from nodeagent.host.ports import HostPorts
 from nodeagent.loop.exporters import build_exporters
 from nodeagent.loop.wiring import build_agent
 from nodeagent.sim.node import GATE, READY
-
-from .healthy import healthy_node
-from .test_fanotify_hold import records, start_flood
-from .test_responder_apart import driver_root
-from .waiting import WAIT, until
+from tests.guards.peermem.test_fanotify_hold import records, start_flood
+from tests.guards.peermem.test_responder_apart import driver_root
+from tests.healthy import healthy_node
+from tests.waiting import WAIT, until
 
 PROCS, THREADS = 4, 500  # 2000 opens from one container
 

@@ -36,8 +36,7 @@ from nodeagent.host.fanotify import (
     PermEvent,
     parse_events,
 )
-
-from .waiting import WAIT, until
+from tests.waiting import WAIT, until
 
 CONTENT = b"\x7fELF not really a module\n"
 
@@ -328,8 +327,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
     from nodeagent.core.peermem import PeermemPolicy
     from nodeagent.guards.peermem.side import PeermemHold
     from nodeagent.sim.node import READY
-
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     if not sees_host_pids():
         pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
@@ -652,8 +650,7 @@ def test_the_agent_records_an_overflow_burst_and_counts_it(tmp_path: Path) -> No
     from nodeagent.guards.peermem.start import HoldHost
     from nodeagent.guards.peermem.telemetry import HOLD_TELEMETRY
     from nodeagent.metrics import MetricsExporter
-
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     (tmp_path / "run/nvidia/driver").mkdir(parents=True)
     group = OverflowingGroup([])

@@ -33,10 +33,9 @@ from nodeagent.guards.peermem.roots import OVERLAYFS_SUPER_MAGIC, RootScanner
 from nodeagent.guards.peermem.start import sees_host_pids
 from nodeagent.host.fanotify import FanotifyGroup, OpenedRoot, parse_marked_devices
 from nodeagent.host.procevents import ExecEvents
-
-from . import containerroot
-from .containerroot import ENTRYPOINT, Container
-from .waiting import WAIT, until
+from tests import containerroot
+from tests.containerroot import ENTRYPOINT, Container
+from tests.waiting import WAIT, until
 
 # -- the rule (pure) ----------------------------------------------------------
 
@@ -411,8 +410,7 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
     from nodeagent.guards.peermem.side import PeermemHold
-
-    from .healthy import healthy_node
+    from tests.healthy import healthy_node
 
     if not sees_host_pids():
         pytest.skip("this test process does not see host PIDs (the hold refuses to start)")

@@ -49,12 +49,12 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, GateFiles
 from nodeagent.loop.wiring import LoopHooks
 from nodeagent.sim.node import READY
+from tests.guards.peermem.apart_agent import build
+from tests.guards.peermem.test_fanotify_hold import _mount_tmpfs, records
+from tests.waiting import WAIT, until
 
-from .apart_agent import build
-from .test_fanotify_hold import _mount_tmpfs, records
-from .waiting import WAIT, until
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
+APART_AGENT = "tests.guards.peermem.apart_agent"  # python -m: the daemon's agent, apart
 
 
 # -- the lease, alone -----------------------------------------------------------------
@@ -162,7 +162,7 @@ def test_a_stopped_agent_stalls_no_open_and_a_killed_one_leaves_its_responder_ho
     with _unmounted(driver):
         try:
             agent = subprocess.Popen(
-                [sys.executable, "-m", "tests.apart_agent", str(root)],
+                [sys.executable, "-m", APART_AGENT, str(root)],
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -191,8 +191,8 @@ def test_a_stopped_agent_stalls_no_open_and_a_killed_one_leaves_its_responder_ho
             assert loader.poll() is None
 
             # Killed while stopped, without a stop (issue 52): the responder holds on for
-            # the next agent to adopt it (tests/test_hold_adopt.py), gate closed, still
-            # answering; only the pod's death (every process of it) lets the load go.
+            # the next agent to adopt it (test_hold_adopt.py), gate closed, still answering;
+            # only the pod's death (every process of it) lets the load go.
             os.kill(agent.pid, signal.SIGKILL)
             agent.wait(WAIT)
             _opens_complete(other, 5)
@@ -232,8 +232,8 @@ class _Stall:
 
 @contextlib.contextmanager
 def _agent_here(root: Path, hooks: LoopHooks | None = None) -> Iterator[tuple[Any, Any]]:
-    """The agent (``tests/apart_agent.py``'s) run in a thread of this process until the
-    block ends; (agent, node) once its hold started."""
+    """The agent (``apart_agent.py``'s) run in a thread of this process until the block
+    ends; (agent, node) once its hold started."""
     agent, node = build(root, hooks)
     thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
     thread.start()

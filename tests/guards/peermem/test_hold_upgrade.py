@@ -20,15 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.sim.node import READY
-
-from .test_fanotify_hold import records
-from .test_responder_apart import REPO, _hold_status, _loader, _unmounted, driver_root
-from .waiting import WAIT, until
+from tests.guards.peermem.test_fanotify_hold import records
+from tests.guards.peermem.test_responder_apart import (
+    APART_AGENT,
+    REPO,
+    _hold_status,
+    _loader,
+    _unmounted,
+    driver_root,
+)
+from tests.waiting import WAIT, until
 
 
 def _agent(root: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.apart_agent", str(root)],
+        [sys.executable, "-m", APART_AGENT, str(root)],
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

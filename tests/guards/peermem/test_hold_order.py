@@ -15,10 +15,9 @@ from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
 from nodeagent.guards.peermem.start import HoldHost
 from nodeagent.sim.node import GATE, READY
-
-from .healthy import healthy_node
-from .test_fanotify_hold import OverflowingGroup
-from .waiting import WAIT, until
+from tests.guards.peermem.test_fanotify_hold import OverflowingGroup
+from tests.healthy import healthy_node
+from tests.waiting import WAIT, until
 
 
 def hold_config(tmp_path: Path, roots: tuple[str, ...] = ("run/nvidia/driver",)) -> Config:

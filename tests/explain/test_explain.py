@@ -17,7 +17,7 @@ from nodeagent.explain.matcher import explain_lines
 from nodeagent.explain.signatures import SIGNATURES
 from nodeagent.explain.stamps import normalize
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 LOGS = SHARED / "real-logs"
 SEEDS = SHARED / "seeds"
 
@@ -141,7 +141,7 @@ def test_unreadable_inputs_are_named_and_the_rest_read(tmp_path: Path) -> None:
     good.write_text("Storage modules are loaded for current driver, terminating\n")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    empty = tmp_path / "empty-dir"  # a directory is a bundle now (tests/test_explain_bundles.py)
+    empty = tmp_path / "empty-dir"  # a directory is a bundle now (test_explain_bundles.py)
     empty.mkdir()
     p = explain("--json", str(empty), str(fifo), str(tmp_path / "missing"), str(good))
     assert p.returncode == 0
@@ -214,7 +214,7 @@ def format_sources() -> set[str]:
 def test_docs_explain_sources_has_every_signature_s_source() -> None:
     """docs/explain-sources.md, checked against the table: each project a signature's
     words come from has its place on that page."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "explain-sources.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "explain-sources.md").read_text()
     sources = format_sources()
     assert {"torvalds/linux", "kmod-project/kmod", "MLNX_OFED", "gcc's"} <= sources
     missing = sorted(s for s in sources if s not in doc)

@@ -26,9 +26,8 @@ from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModprobeTools
 from nodeagent.loop.workers import PlanWorkers
-
-from .test_storage_agent import HOLD, LOCK, node
-from .waiting import WAIT, until
+from tests.test_storage_agent import HOLD, LOCK, node
+from tests.waiting import WAIT, until
 
 
 def unload(guard: str, module: str) -> UnloadModule:

@@ -26,8 +26,7 @@ from nodeagent.core.actions import UnloadModule
 from nodeagent.core.mofed import restart_signals
 from nodeagent.host.kmod import ModuleOpError
 from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
-
-from .healthy import STACK, healthy_node
+from tests.healthy import STACK, healthy_node
 
 NODE_CHANGES = ("restart-begins", "restart-ends", "stack-leaves", "stack-returns", "nothing")
 FAULTS = ("none", "state-unwritable", "status-unwritable", "timeline-unwritable",

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from nodeagent.guards.peermem.reports import HoldReport
-
-from .test_fanotify_hold import Clock, Opens, capped
-from .waiting import until
+from tests.guards.peermem.test_fanotify_hold import Clock, Opens, capped
+from tests.waiting import until
 
 
 def test_reports_the_loop_did_not_read_in_time_are_counted(tmp_path: Path) -> None:
@@ -32,9 +31,9 @@ def test_reports_the_loop_did_not_read_in_time_are_counted(tmp_path: Path) -> No
 
 
 def test_the_side_records_lost_reports_once_with_their_count(tmp_path: Path) -> None:
-    from .healthy import healthy_node
-    from .test_hold_order import fake_hold_agent, hold_config
-    from .waiting import WAIT
+    from tests.guards.peermem.test_hold_order import fake_hold_agent, hold_config
+    from tests.healthy import healthy_node
+    from tests.waiting import WAIT
 
     cfg = hold_config(tmp_path)
     node = healthy_node(tmp_path, ready=False)

@@ -310,7 +310,7 @@ def test_the_corpus_runner_scores_excerpts_by_their_expect_line(tmp_path: Path) 
             "d.log": "# source: y\n# expect: storage-blocks-mofed\nnothing\n",
         },
     )
-    script = Path(__file__).resolve().parents[1] / "scripts" / "explain_corpus.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "explain_corpus.py"
     run = [sys.executable, str(script), str(corpus), "--alias", "old-name=openibd-module-in-use"]
     p = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr  # d.log is missed

@@ -1,6 +1,6 @@
 """The agent with its hold on, as a process of its own, for tests that stop or kill it.
 
-``python -m tests.apart_agent ROOT`` builds the daemon's agent as ``nodeagent
+``python -m tests.guards.peermem.apart_agent ROOT`` builds the daemon's agent as ``nodeagent
 run`` does (``loop.wiring.build_agent``, enforce mode, ``hold_loads =
 "fanotify"``, ``hold_roots = ["run/nvidia/driver"]``) on a simulated healthy node
 under ROOT, without MOFED's ready flag, so the gate stays closed. Its module
@@ -26,8 +26,7 @@ from nodeagent.host.ports import HostPorts
 from nodeagent.loop.agent import Agent
 from nodeagent.loop.wiring import LoopHooks, build_agent
 from nodeagent.sim.node import Node
-
-from .healthy import healthy_node
+from tests.healthy import healthy_node
 
 
 def hold_config(root: Path) -> Config:

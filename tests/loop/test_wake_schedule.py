@@ -15,9 +15,8 @@ from nodeagent.host.gatefile import RENEW_S, GateFiles
 from nodeagent.loop import passes as passes_module
 from nodeagent.loop.passes import PASS_RETRY_S, WakeSchedule
 from nodeagent.sim.node import GATE
-
-from .healthy import healthy_node
-from .waiting import WAIT, until
+from tests.healthy import healthy_node
+from tests.waiting import WAIT, until
 
 
 def test_a_pass_is_due_at_the_resync_when_no_guard_asks_sooner() -> None:
