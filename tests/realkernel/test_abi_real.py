@@ -22,15 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from nodeagent.config import Config
 from nodeagent.core.actions import LoadModuleFile
 from nodeagent.core.identity import abi_mismatches
-from nodeagent.core.snapshot import LoadedModule
 from nodeagent.host.act import Actuator, kmsg_reader
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError
 from nodeagent.host.modfile import read_module_file
-from nodeagent.host.observe import Observer, disk_module
+from nodeagent.host.observe import disk_module
+from tests.realkernel.loaded import observed as _loaded
 from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
@@ -70,12 +69,6 @@ MODULE_LICENSE("GPL");
     },
     uses=(PROV_V1,),
 )
-
-
-def _loaded(name: str) -> LoadedModule:
-    mod = Observer(HostRoot("/"), Config()).read_loaded_module(name)
-    assert mod is not None and mod.live, mod
-    return mod
 
 
 def _symvers_crc(ko: Path) -> int:

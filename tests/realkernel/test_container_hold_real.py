@@ -34,6 +34,7 @@ from nodeagent.core.hold import DRIVER_CONTAINER_RULES
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.guards.peermem.roots import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
+from tests.realkernel.loaded import is_loaded as _loaded
 from tests.realkernel.modbuild import KModule, symbol_provider, symbol_user
 
 from .. import containerroot, waiting
@@ -57,10 +58,6 @@ read go || exit 0
 echo $? > /tmp/modprobe-rc
 read x
 """
-
-
-def _loaded(name: str) -> bool:
-    return any(line.split()[0] == name for line in Path("/proc/modules").read_text().splitlines())
 
 
 def _version(name: str) -> str:

@@ -26,6 +26,7 @@ import pytest
 
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.host.fanotify import FanotifyGroup
+from tests.realkernel.loaded import is_loaded as _loaded
 from tests.realkernel.modbuild import KModule, symbol_provider, symbol_user
 
 from .. import waiting
@@ -48,10 +49,6 @@ class Root:
 def _copy_in(lower: str, path: str) -> None:
     os.makedirs(lower + os.path.dirname(path), exist_ok=True)
     shutil.copy(path, lower + path)
-
-
-def _loaded(name: str) -> bool:
-    return any(line.split()[0] == name for line in Path("/proc/modules").read_text().splitlines())
 
 
 def _unload() -> None:

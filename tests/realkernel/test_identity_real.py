@@ -28,6 +28,7 @@ from nodeagent.host.kmod import LibKmod, ModuleOpError
 from nodeagent.host.moddep import find_module
 from nodeagent.host.modfile import parse_build_id_note, read_module_file
 from nodeagent.host.observe import Observer, disk_module
+from tests.realkernel.loaded import observed
 from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
@@ -52,9 +53,7 @@ OBSERVER = Observer(HostRoot("/"), Config(policies={"peermem": PeermemPolicy(mof
 
 
 def _loaded(name: str) -> LoadedModule:
-    mod = OBSERVER.read_loaded_module(name)
-    assert mod is not None and mod.live and mod.problems == (), mod
-    return mod
+    return observed(name, OBSERVER, clean=True)
 
 
 def test_in_tree_modules_are_identified_by_build_id() -> None:

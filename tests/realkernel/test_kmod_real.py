@@ -24,6 +24,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError, ModuleOps
 from nodeagent.host.moddep import find_module
 from nodeagent.host.observe import Observer
+from tests.realkernel.loaded import observed_names as _loaded
 from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
@@ -47,12 +48,6 @@ SYS = Path("/sys/module")
 
 def _moddir() -> str:
     return f"/usr/lib/modules/{os.uname().release}"
-
-
-def _loaded() -> set[str]:
-    mods, problems = Observer(HostRoot("/"), Config()).read_loaded_modules()
-    assert problems == []
-    return set(mods)
 
 
 def _unload_since(before: set[str]) -> list[str]:

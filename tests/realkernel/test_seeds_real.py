@@ -48,6 +48,7 @@ from typing import Any
 import pytest
 
 from tests.realkernel.guest_agent import GuestAgent
+from tests.realkernel.loaded import versions as _loaded
 from tests.realkernel.modbuild import KModule
 
 from .. import containerroot, waiting
@@ -179,18 +180,6 @@ say "Setting driver ready state"
 read stop
 """
 )
-
-
-def _loaded() -> dict[str, str]:
-    """Loaded module -> its ``version`` ('' without one)."""
-    out = {}
-    for line in Path("/proc/modules").read_text().splitlines():
-        name = line.split()[0]
-        try:
-            out[name] = Path(f"/sys/module/{name}/version").read_text().strip()
-        except OSError:
-            out[name] = ""
-    return out
 
 
 def _unload_ours() -> None:
