@@ -9,9 +9,8 @@ import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nodeagent.host.fanotify import (
-    READ_EVENTS,
-)
+from nodeagent.guards.peermem.reports import BURST_QUIET_S
+from nodeagent.host.fanotify import READ_EVENTS
 
 # Caps on opens held at once (each keeps an event descriptor in the agent until answered):
 # per opener's container, and in all. Constants for now, not policy: a new policy field
@@ -87,3 +86,15 @@ def open_descriptors() -> int:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
         return -1
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The caps on opens held at once (each keeps a descriptor): past either, an open is
+    allowed at once and said, once per burst (a burst ends ``burst_quiet_s`` after its
+    last); ``descriptors``: the budget the caps fit in, for status."""
+
+    held_per_container: int = HELD_PER_CONTAINER
+    held_total: int = HELD_TOTAL
+    burst_quiet_s: float = BURST_QUIET_S
+    descriptors: DescriptorBudget | None = None

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from nodeagent.host.fanotify import (
     PermEvent,
@@ -90,3 +91,24 @@ def mount_namespace(pid: int, proc: str = "/proc") -> str:
         return os.readlink(f"{proc}/{pid}/ns/mnt")
     except OSError:
         return "?"
+
+
+@dataclass(frozen=True)
+class Openers:
+    """How an event's opener and file are read. ``proc``, ``path_of``: where openers and
+    opened files are read (the simulator's kernel gives its own). ``own_pid`` (default:
+    this process) and ``also_own`` (the responder's process, when it runs apart): pids
+    whose opens are the agent's own. ``loader_of``: whether a pid is a module loader
+    (default: ``is_loader``). ``may_load``: why an opener cannot load a module (None: it
+    can); only one that can is ever held (default: ``opener_may_load`` under ``proc``; a
+    caller giving its own ``loader_of`` says who loads, and by default everyone it names
+    can). ``container_of``: an opener's container, for the first cap (default: its
+    mount namespace)."""
+
+    proc: str = "/proc"
+    path_of: Callable[[PermEvent], str] = event_path
+    own_pid: int | None = None
+    also_own: Collection[int] = ()
+    loader_of: Callable[[int], tuple[bool, str]] | None = None
+    may_load: Callable[[int], str | None] | None = None
+    container_of: Callable[[int], str] | None = None

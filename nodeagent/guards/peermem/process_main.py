@@ -30,13 +30,14 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from nodeagent.guards.peermem.budget import open_descriptors
+from nodeagent.guards.peermem.budget import Caps, open_descriptors
 from nodeagent.guards.peermem.lease import read_lease
-from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.openers import Openers
+from nodeagent.guards.peermem.responder import Responder, Rounds
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
 
 OUTBOX_MAX = 4 << 20  # bytes of messages kept while the agent does not read (it is stalled)
@@ -110,9 +111,16 @@ class ApartResponder(Responder):
     """The responder of this process: after each round it sends what ended and its state."""
 
     def __init__(
-        self, *args: Any, outbox: Outbox, marks: IgnoreMarks, orphan_s: float, **kw: Any
+        self,
+        *args: Any,
+        watch_fds: Mapping[int, Callable[[], None]],
+        outbox: Outbox,
+        marks: IgnoreMarks,
+        orphan_s: float,
+        **kw: Any,
     ) -> None:
-        super().__init__(*args, ignore=marks.add, after_step=self.after_round, **kw)
+        rounds = Rounds(watch_fds=watch_fds, after_step=self.after_round, ignore=marks.add)
+        super().__init__(*args, rounds=rounds, **kw)
         self.outbox = outbox
         self.marks = marks
         self.orphan_s = orphan_s  # how long it holds for an agent that died, unadopted
@@ -342,12 +350,16 @@ def serve(spec: dict[str, Any]) -> int:
         group,
         gate_open=lambda: adoption.gate_open(),
         budget_s=budget_s,
-        own_pid=int(spec["agent_pid"]),
-        also_own=(os.getpid(),),
-        proc=str(spec.get("proc", "/proc")),
-        burst_quiet_s=float(spec["burst_quiet_s"]),
-        held_per_container=int(spec["held_per_container"]),
-        held_total=int(spec["held_total"]),
+        openers=Openers(
+            proc=str(spec.get("proc", "/proc")),
+            own_pid=int(spec["agent_pid"]),
+            also_own=(os.getpid(),),
+        ),
+        caps=Caps(
+            held_per_container=int(spec["held_per_container"]),
+            held_total=int(spec["held_total"]),
+            burst_quiet_s=float(spec["burst_quiet_s"]),
+        ),
         watch_fds={
             life_fd: lambda: adoption.on_life(),
             wake_fd: lambda: _drain_eventfd(wake_fd),

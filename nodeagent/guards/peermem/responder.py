@@ -42,14 +42,19 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.core.hold import held_open
-from nodeagent.guards.peermem.budget import HELD_PER_CONTAINER, HELD_TOTAL, DescriptorBudget
-from nodeagent.guards.peermem.openers import event_path, is_loader, mount_namespace, opener_may_load
-from nodeagent.guards.peermem.reports import BURST_QUIET_S, OVERFLOW_MEANING, Burst, HoldReport
+from nodeagent.guards.peermem.budget import Caps
+from nodeagent.guards.peermem.openers import (
+    Openers,
+    is_loader,
+    mount_namespace,
+    opener_may_load,
+)
+from nodeagent.guards.peermem.reports import OVERFLOW_MEANING, Burst, HoldReport
 from nodeagent.host.events import Poke
 from nodeagent.host.fanotify import (
     EventSource,
@@ -78,6 +83,23 @@ def _fault_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """What the responder's thread does besides answering. ``on_report``: called (from
+    that thread, so it must not block or open a file) when a report or a notice is added:
+    the loop records it on its next pass. ``watch_fds``: descriptors the thread also
+    waits on, each with what to do when it is readable; ``after_step``: called after each
+    round (the process apart sends its reports there). ``ignore``: given an event's
+    descriptor, filters later opens of that file in the kernel if it cannot be a target
+    (``host/fanotify.IgnoreMarks.add``); called before the first open of a file the hold
+    does not name is allowed."""
+
+    on_report: Callable[[], None] = lambda: None
+    watch_fds: Mapping[int, Callable[[], None]] = field(default_factory=dict)
+    after_step: Callable[[], None] = lambda: None
+    ignore: Callable[[int], None] | None = None
+
+
 class Responder:
     def __init__(
         self,
@@ -85,60 +107,37 @@ class Responder:
         *,
         gate_open: Callable[[], bool],
         budget_s: float,
-        own_pid: int | None = None,
+        openers: Openers | None = None,
+        caps: Caps | None = None,
+        rounds: Rounds | None = None,
         clock: Callable[[], float] = time.monotonic,
-        loader_of: Callable[[int], tuple[bool, str]] | None = None,
-        on_report: Callable[[], None] = lambda: None,
-        proc: str = "/proc",
-        path_of: Callable[[PermEvent], str] = lambda event: event_path(event),
-        burst_quiet_s: float = BURST_QUIET_S,
-        held_per_container: int = HELD_PER_CONTAINER,
-        held_total: int = HELD_TOTAL,
-        container_of: Callable[[int], str] | None = None,
-        descriptors: DescriptorBudget | None = None,
-        also_own: Collection[int] = (),
-        watch_fds: Mapping[int, Callable[[], None]] | None = None,
-        after_step: Callable[[], None] = lambda: None,
-        ignore: Callable[[int], None] | None = None,
-        may_load: Callable[[int], str | None] | None = None,
     ) -> None:
-        """``on_report``: called (from the responder thread, so it must not block or open a
-        file) when a report or a notice is added: the loop records it on its next pass.
-        ``proc``, ``path_of``: where openers and opened files are read (the simulator's
-        kernel gives its own). ``held_per_container``, ``held_total``: the caps on opens
-        held at once (each keeps a descriptor); past either, an open is allowed at once
-        and said, once per burst. ``container_of``: an opener's container, for the first
-        cap (default: its mount namespace). ``descriptors``: the budget the caps fit in,
-        for status. ``also_own``: pids besides ``own_pid`` whose opens are the agent's own
-        (the responder's process, when it runs apart). ``watch_fds``: descriptors the
-        thread also waits on, each with what to do when it is readable; ``after_step``:
-        called after each round (the process apart sends its reports there). ``ignore``:
-        given an event's descriptor, filters later opens of that file in the kernel if it
-        cannot be a target (``host/fanotify.IgnoreMarks.add``); called before the first
-        open of a file the hold does not name is allowed. ``may_load``: why an opener
-        cannot load a module (None: it can); only one that can is ever held (default:
-        ``opener_may_load`` under ``proc``; a caller giving its own ``loader_of`` says
-        who loads, and by default everyone it names can)."""
+        """``source``'s permission events answered while ``gate_open`` reads closed, each
+        held at most ``budget_s``; how openers are read, the caps, and what else its rounds
+        do: ``Openers``, ``Caps``, ``Rounds``."""
+        o, c, r = openers or Openers(), caps or Caps(), rounds or Rounds()
         self.source = source
         self.gate_open = gate_open
         self.budget_s = budget_s
-        self.own_pid = os.getpid() if own_pid is None else own_pid
-        self.own_pids = frozenset({self.own_pid, *also_own})
-        self.watch_fds = dict(watch_fds or {})
-        self.after_step = after_step
-        self.ignore = ignore
+        self.own_pid = os.getpid() if o.own_pid is None else o.own_pid
+        self.own_pids = frozenset({self.own_pid, *o.also_own})
+        self.watch_fds = dict(r.watch_fds)
+        self.after_step = r.after_step
+        self.ignore = r.ignore
         self.clock = clock
-        self.proc = proc
-        self.loader_of = loader_of or (lambda pid: is_loader(pid, proc))
+        proc = self.proc = o.proc
+        self.loader_of = o.loader_of or (lambda pid: is_loader(pid, proc))
+        may_load = o.may_load
         if may_load is None:
-            may_load = opener_may_load(proc) if loader_of is None else (lambda pid: None)
+            may_load = opener_may_load(proc) if o.loader_of is None else (lambda pid: None)
         self.may_load = may_load
-        self.container_of = container_of or (lambda pid: mount_namespace(pid, proc))
-        self.path_of = path_of
-        self.on_report = on_report
-        self.held_per_container = held_per_container
-        self.held_total = held_total
-        self.descriptors = descriptors
+        self.container_of = o.container_of or (lambda pid: mount_namespace(pid, proc))
+        self.path_of = o.path_of
+        self.on_report = r.on_report
+        self.held_per_container = c.held_per_container
+        self.held_total = c.held_total
+        self.burst_quiet_s = c.burst_quiet_s
+        self.descriptors = c.descriptors
         self.reports: collections.deque[HoldReport] = collections.deque(maxlen=1024)
         self.reported = 0  # reports and notices ever added (the deques are drained by the loop)
         self.reports_lost = 0  # reports pushed out of the full deque before the loop read them
@@ -161,7 +160,6 @@ class Responder:
         # Timeline records of bursts (an overflow, opens past a cap, a fault), one per
         # burst once it is over, for the loop to record with the held opens' reports.
         self.notices: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
-        self.burst_quiet_s = burst_quiet_s
         self._bursts: dict[str, Burst] = {}  # by notice key; the responder thread's own
         self._held: list[_Held] = []
         self._per_container: collections.Counter[str] = collections.Counter()

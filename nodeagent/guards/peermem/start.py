@@ -24,12 +24,12 @@ from nodeagent.guards.peermem.adopt import (
     remove_socket_at,
     socket_path,
 )
-from nodeagent.guards.peermem.budget import DescriptorBudget, descriptor_budget
+from nodeagent.guards.peermem.budget import Caps, DescriptorBudget, descriptor_budget
 from nodeagent.guards.peermem.lease import HoldLease
-from nodeagent.guards.peermem.openers import event_path
+from nodeagent.guards.peermem.openers import Openers, event_path
 from nodeagent.guards.peermem.process import ResponderProcess
 from nodeagent.guards.peermem.reports import HoldReport
-from nodeagent.guards.peermem.responder import Responder
+from nodeagent.guards.peermem.responder import Responder, Rounds
 from nodeagent.host.fanotify import (
     EventSource,
     FanotifyGroup,
@@ -191,14 +191,10 @@ def start_hold(
             source,
             gate_open=gate_open,
             budget_s=budget_s,
-            on_report=on_report,
-            proc=host.proc,
-            path_of=host.path_of,
+            openers=Openers(proc=host.proc, path_of=host.path_of, may_load=host.opener_may_load),
+            caps=Caps(budget.held_per_container, budget.held_total, descriptors=budget),
+            rounds=Rounds(on_report=on_report),
             clock=host.clock,
-            held_per_container=budget.held_per_container,
-            held_total=budget.held_total,
-            descriptors=budget,
-            may_load=host.opener_may_load,
         )
         if host.threaded:
             thread.start()

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from nodeagent.guards.peermem.budget import Caps
+from nodeagent.guards.peermem.openers import Openers
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.guards.peermem.start import sees_host_pids, spawner, start_hold
 from nodeagent.host.fanotify import (
@@ -478,7 +480,7 @@ def test_an_overflow_and_an_event_without_fd_are_allowed_and_counted() -> None:
     overflow = PermEvent(-1, 0, FAN_Q_OVERFLOW)
     nofd = PermEvent(-1, 4242, 0x10000)  # the kernel could not open the file: it denied
     source = FakeSource([overflow, nofd])
-    responder = Responder(source, gate_open=lambda: False, budget_s=60, own_pid=1)
+    responder = Responder(source, gate_open=lambda: False, budget_s=60, openers=Openers(own_pid=1))
     responder.start()
     try:
         until(lambda: responder.counts["no_fd"] == 1, "both seen")
@@ -527,7 +529,12 @@ def test_a_burst_of_overflows_is_one_notice_saying_what_it_means_and_the_respond
     clock = Clock()
     source = FedSource([])
     responder = Responder(
-        source, gate_open=lambda: False, budget_s=60, own_pid=1, clock=clock, burst_quiet_s=2.0
+        source,
+        gate_open=lambda: False,
+        budget_s=60,
+        openers=Openers(own_pid=1),
+        caps=Caps(burst_quiet_s=2.0),
+        clock=clock,
     )
     responder.start()
     try:
@@ -558,7 +565,7 @@ def test_an_overflow_burst_still_open_at_stop_is_said() -> None:
     source = FedSource([PermEvent(-1, 0, FAN_Q_OVERFLOW)])
     gate = threading.Event()
     gate.set()
-    responder = Responder(source, gate_open=gate.is_set, budget_s=60, own_pid=1)
+    responder = Responder(source, gate_open=gate.is_set, budget_s=60, openers=Openers(own_pid=1))
     responder.start()
     until(lambda: responder.counts["overflow"] == 1, "the overflow was not counted")
     responder.stop()
@@ -762,7 +769,7 @@ class Opens(FedSource):
 
 
 def capped(
-    source: FedSource, clock: Clock, gate: threading.Event, proc: Path, **kw: object
+    source: FedSource, clock: Clock, gate: threading.Event, proc: Path, caps: Caps
 ) -> Responder:
     for pid in (100, 101, 300):  # every opener "exists": none is let go as gone
         (proc / str(pid)).mkdir(exist_ok=True)
@@ -770,19 +777,21 @@ def capped(
         source,
         gate_open=gate.is_set,
         budget_s=600,
-        own_pid=1,
+        openers=Openers(
+            proc=str(proc),
+            path_of=lambda e: "/lib/modules/6.1.0/kernel/drivers/video/nvidia-peermem.ko",
+            own_pid=1,
+            loader_of=lambda pid: (True, "modprobe"),
+            container_of=lambda pid: "mnt:[A]" if pid < 200 else "mnt:[B]",
+        ),
+        caps=caps,
         clock=clock,
-        path_of=lambda e: "/lib/modules/6.1.0/kernel/drivers/video/nvidia-peermem.ko",
-        loader_of=lambda pid: (True, "modprobe"),
-        container_of=lambda pid: "mnt:[A]" if pid < 200 else "mnt:[B]",
-        proc=str(proc),
-        **kw,  # type: ignore[arg-type]
     )
 
 
 def test_past_a_cap_an_open_goes_on_at_once_and_a_burst_is_one_notice(tmp_path: Path) -> None:
     clock, source, gate = Clock(), Opens(), threading.Event()
-    responder = capped(source, clock, gate, tmp_path, held_per_container=3, held_total=5)
+    responder = capped(source, clock, gate, tmp_path, Caps(held_per_container=3, held_total=5))
     responder.start()
     try:
         source.feed(*source.opens(100, 5))  # container A: 3 held, 2 past its cap
@@ -837,7 +846,9 @@ def test_emfile_while_reading_is_survived_reported_and_answering_goes_on() -> No
     clock = Clock()
     emfile = OSError(errno.EMFILE, "Too many open files")
     source = FailingReads([emfile, emfile, OSError(errno.ENFILE, "Too many open files in system")])
-    responder = Responder(source, gate_open=lambda: False, budget_s=60, own_pid=1, clock=clock)
+    responder = Responder(
+        source, gate_open=lambda: False, budget_s=60, openers=Openers(own_pid=1), clock=clock
+    )
     responder.start()
     try:
         source.feed(PermEvent(-1, 4242, 0x10000))
@@ -880,11 +891,13 @@ def test_an_error_while_answering_allows_that_open_and_the_responder_goes_on(
         source,
         gate_open=lambda: False,
         budget_s=600,
-        own_pid=1,
-        path_of=lambda e: "/x/kernel/drivers/video/nvidia-peermem.ko",
-        loader_of=loader_of,
-        container_of=lambda pid: "mnt:[A]",
-        proc=str(tmp_path),
+        openers=Openers(
+            proc=str(tmp_path),
+            path_of=lambda e: "/x/kernel/drivers/video/nvidia-peermem.ko",
+            own_pid=1,
+            loader_of=loader_of,
+            container_of=lambda pid: "mnt:[A]",
+        ),
     )
     responder.start()
     try:

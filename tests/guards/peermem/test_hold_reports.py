@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from nodeagent.guards.peermem.budget import Caps
 from nodeagent.guards.peermem.reports import HoldReport
 from tests.guards.peermem.test_fanotify_hold import Clock, Opens, capped
 from tests.waiting import until
@@ -15,7 +16,7 @@ from tests.waiting import until
 
 def test_reports_the_loop_did_not_read_in_time_are_counted(tmp_path: Path) -> None:
     clock, source, gate = Clock(), Opens(), threading.Event()
-    responder = capped(source, clock, gate, tmp_path)
+    responder = capped(source, clock, gate, tmp_path, Caps())
     responder.reports = collections.deque(maxlen=2)  # (1024 as shipped)
     responder.start()
     try:
