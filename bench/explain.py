@@ -29,19 +29,20 @@ run with this one, and prints both and their ratio: the machine's noise hits bot
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repo's tests/ (the bundle bench reads the test's bundle)
+
+from tests.explain.test_explain_bundles import many_nodes, tar, write  # noqa: E402
 
 LINES = [
     b"Nov 21 11:50:%02d gpu-1 kubelet[2121]: I1121 11:50:00.000000 2121 kubelet.go:2415] "
@@ -88,28 +89,10 @@ def make_log(path: Path, n: int, hostile: bool = False) -> None:
 
 
 def make_bundle(path: Path, nodes: int, lines: int = 60) -> None:
-    """A GPU Operator must-gather (hack/must-gather.sh's flat layout) of ``nodes`` nodes."""
-    row = "{:<32}{:<8}{:<19}{:<11}{:<6}{:<11}{:<12}{:<17}{}"
-    status = [row.format("NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE",
-                         "NOMINATED NODE", "READINESS GATES")]  # fmt: skip
-    einval = "modprobe: ERROR: could not insert 'nvidia_peermem': Invalid argument"
-    with tarfile.open(path, "w:gz") as t:
-
-        def add(name: str, data: bytes) -> None:
-            info = tarfile.TarInfo(f"must-gather/{name}")
-            info.size = len(data)
-            t.addfile(info, io.BytesIO(data))
-
-        for n in range(nodes):
-            pod = f"nvidia-driver-daemonset-{n:05d}"
-            status.append(
-                row.format(pod, "1/2", "CrashLoopBackOff", "7", "1h", "10.0.0.1",
-                           f"gpu-{n:04d}", "<none>", "<none>")
-            )  # fmt: skip
-            pre = f"[pod/{pod}/nvidia-driver-ctr] 2026-11-21T12:00:00.5Z {einval} "
-            body = "".join(f"{pre}{i:06d} {'x' * 3900}\n" for i in range(lines))
-            add(f"gpu_operand_pod_{pod}.log", body.encode())
-        add("gpu_operand_pods.status", ("\n".join(status) + "\n").encode())
+    """The must-gather of ``nodes`` nodes the 400-node test reads (its generator), as a
+    ``.tar.gz`` at ``path``."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        tar(write(Path(tmp) / "must-gather", many_nodes(nodes, lines)), path)
 
 
 def run(path: Path, code: Path) -> tuple[float, float, list[str]]:

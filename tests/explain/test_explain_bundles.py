@@ -510,7 +510,8 @@ def test_the_read_budget_is_200_times_the_size_on_disk_between_256_mib_and_32_gi
 
 def many_nodes(nodes: int, lines: int) -> dict[str, bytes | str]:
     """A must-gather of ``nodes`` nodes, each driver pod's log ``lines`` failed loads of
-    4 KB (the adversarial pass's shape: a ~1 MB bundle, 400 nodes, 378 MB peak)."""
+    4 KB (the adversarial pass's shape: a ~1 MB bundle, 400 nodes, 378 MB peak); bench/explain.py
+    builds its bundle with it too."""
     row = "{:<32}{:<8}{:<19}{:<11}{:<6}{:<11}{:<12}{:<17}{}"
     status = [row.format("NAME", "READY", "STATUS", "RESTARTS", "AGE", "IP", "NODE",
                          "NOMINATED NODE", "READINESS GATES")]  # fmt: skip
