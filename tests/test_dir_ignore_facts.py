@@ -49,7 +49,7 @@ from nodeagent.host.fanotify import (
     FanotifyGroup,
     _libc,
 )
-from tests.guards.peermem.test_fanotify_hold import _mount_tmpfs
+from tests.guards.peermem.rig import mount_tmpfs
 from tests.waiting import until
 
 FAN_MARK_IGNORE = 0x00000400  # 6.0: an ignore mask, meant for directories and sb marks
@@ -100,7 +100,7 @@ class Seen:
 def seen(tmp_path: Path) -> Iterator[tuple[Seen, Path]]:
     fs = tmp_path / "fs"
     fs.mkdir()
-    why = _mount_tmpfs(fs)
+    why = mount_tmpfs(fs)
     if why:
         pytest.skip(why)
     try:

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ from nodeagent.host.fanotify import (
     PermEvent,
     parse_events,
 )
+from tests.guards.peermem.fakes import Clock, FakeSource, FedSource, Opens, OverflowingGroup, capped
+from tests.guards.peermem.rig import mount_tmpfs, records, start_flood
 from tests.waiting import WAIT, until
 
 CONTENT = b"\x7fELF not really a module\n"
@@ -53,21 +54,12 @@ class Marked:
     responder: Responder
 
 
-def _mount_tmpfs(where: Path) -> str | None:
-    if os.geteuid() != 0:
-        return "not root: cannot mount a tmpfs to mark"
-    p = subprocess.run(["mount", "-t", "tmpfs", "nodeagent-test", str(where)], capture_output=True)
-    if p.returncode != 0:
-        return f"mount -t tmpfs failed: {p.stderr.decode(errors='replace').strip()}"
-    return None
-
-
 def _layout(tmp_path: Path) -> tuple[Path, Path, Path, Path, FanotifyGroup]:
     """A tmpfs with a driver tree (nvidia-peermem.ko and another .ko), a ``modprobe`` (a
     copy of cat: a module loader by name) and a fresh group; skips where either is refused."""
     fs = tmp_path / "fs"
     fs.mkdir()
-    why = _mount_tmpfs(fs)
+    why = mount_tmpfs(fs)
     if why:
         pytest.skip(why)
     moddir = fs / "lib/modules/6.1.0-test/kernel/drivers/video"
@@ -315,12 +307,6 @@ def test_events_are_walked_by_event_len_and_bad_records_named() -> None:
     assert events == [] and "malformed" in problems[0]
 
 
-def records(timeline: Path) -> list[dict[str, object]]:
-    """The timeline's complete lines (the agent may be appending the next one)."""
-    text = timeline.read_text()
-    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
-
-
 def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
     """End to end: `nodeagent run` with [peermem] hold_loads = "fanotify", the GPU driver
     root a marked tmpfs; a loader's open is held until MOFED's ready flag makes the gate open."""
@@ -335,7 +321,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
     driver = tmp_path / "run/nvidia/driver"
     driver.mkdir(parents=True)
-    why = _mount_tmpfs(driver)
+    why = mount_tmpfs(driver)
     if why:
         pytest.skip(why)
     agent = None
@@ -449,33 +435,6 @@ def test_held_opens_are_counted_by_how_they_ended() -> None:
     assert b'nodeagent_peermem_held_opens_total{ended="other"} 1.0' in text
 
 
-class FakeSource:
-    """An EventSource fed by the test (the interface the simulator will use)."""
-
-    def __init__(self, events: list[PermEvent]) -> None:
-        self.r, self.w = os.pipe()
-        self.events = events
-        self.answers: list[tuple[PermEvent, bool]] = []
-        os.write(self.w, b"x")
-
-    def fileno(self) -> int:
-        return self.r
-
-    def read(self) -> list[PermEvent]:
-        with contextlib.suppress(BlockingIOError):
-            os.read(self.r, 16)
-        out, self.events = self.events, []
-        return out
-
-    def respond(self, event: PermEvent, allow: bool) -> None:
-        self.answers.append((event, allow))
-
-    def close(self) -> None:
-        for fd in (self.r, self.w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
 def test_an_overflow_and_an_event_without_fd_are_allowed_and_counted() -> None:
     overflow = PermEvent(-1, 0, FAN_Q_OVERFLOW)
     nofd = PermEvent(-1, 4242, 0x10000)  # the kernel could not open the file: it denied
@@ -499,28 +458,6 @@ def test_a_marked_root_that_disappears_leaves_the_responder_answering(marked: Ma
 
 
 # -- the unlimited queue, and what an overflow means ----------------------------------
-
-
-class Clock:
-    """A clock the test moves (the responder's bursts end after a quiet spell)."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FedSource(FakeSource):
-    """A FakeSource the test feeds while the responder runs (its pipe never blocks a read)."""
-
-    def __init__(self, events: list[PermEvent]) -> None:
-        super().__init__(events)
-        os.set_blocking(self.r, False)
-
-    def feed(self, *events: PermEvent) -> None:
-        self.events.extend(events)
-        os.write(self.w, b"x")
 
 
 def test_a_burst_of_overflows_is_one_notice_saying_what_it_means_and_the_responder_goes_on() -> (
@@ -631,23 +568,6 @@ def test_this_kernel_gives_the_group_an_unlimited_queue() -> None:
         group.close()
 
 
-class OverflowingGroup(FedSource):
-    """A hold group (the agent's seam, ``HoldHost.group``) whose kernel refused the
-    unlimited queue and whose queue overflows."""
-
-    unlimited_queue = False
-    queue_problem = "peermem.hold_loads: the kernel refused FAN_UNLIMITED_QUEUE (test)"
-
-    def mark_filesystem(self, path: str) -> None:
-        pass
-
-    def open_root(self, path: str) -> None:
-        return None
-
-    def marked_devices(self) -> set[int]:
-        return set()
-
-
 def test_the_agent_records_an_overflow_burst_and_counts_it(tmp_path: Path) -> None:
     """Through the agent: the group's overflow becomes one ``hold-overflow`` record (and a
     bounded queue a state problem), the record feeds the counter, status says the queue."""
@@ -751,42 +671,6 @@ def test_the_descriptor_limit_is_raised_and_the_caps_fit_in_it() -> None:
     assert budget.held_total == 0 and budget.held_per_container == 0
     assert len(problems) == 2 and "cannot raise the descriptor limit from 100 to 200" in problems[0]
     assert resource.getrlimit(resource.RLIMIT_NOFILE)  # (the process's own is untouched)
-
-
-class Opens(FedSource):
-    """Held-class opens by loaders (the fds are made up: nothing is closed here)."""
-
-    def __init__(self) -> None:
-        super().__init__([])
-        self.n = 10_000
-
-    def opens(self, pid: int, k: int) -> list[PermEvent]:
-        out = []
-        for _ in range(k):
-            self.n += 1
-            out.append(PermEvent(self.n, pid, 0x10000))
-        return out
-
-
-def capped(
-    source: FedSource, clock: Clock, gate: threading.Event, proc: Path, caps: Caps
-) -> Responder:
-    for pid in (100, 101, 300):  # every opener "exists": none is let go as gone
-        (proc / str(pid)).mkdir(exist_ok=True)
-    return Responder(
-        source,
-        gate_open=gate.is_set,
-        budget_s=600,
-        openers=Openers(
-            proc=str(proc),
-            path_of=lambda e: "/lib/modules/6.1.0/kernel/drivers/video/nvidia-peermem.ko",
-            own_pid=1,
-            loader_of=lambda pid: (True, "modprobe"),
-            container_of=lambda pid: "mnt:[A]" if pid < 200 else "mnt:[B]",
-        ),
-        caps=caps,
-        clock=clock,
-    )
 
 
 def test_past_a_cap_an_open_goes_on_at_once_and_a_burst_is_one_notice(tmp_path: Path) -> None:
@@ -911,75 +795,6 @@ def test_an_error_while_answering_allows_that_open_and_the_responder_goes_on(
         responder.stop()
     (notice,) = [n for n in responder.notices if n["kind"] == "hold-fault"]
     assert notice["fault"] == "RuntimeError" and "was allowed" in notice["meaning"]
-
-
-# Its first process waits for the others: it ends only when every open of the flood has
-# ended, failing if any failed.
-FLOOD = r"""
-import ctypes, os, sys, threading
-
-# PR_SET_NAME on the main thread: /proc/<pid>/comm says modprobe, a module loader.
-ctypes.CDLL(None).prctl(15, b"modprobe", 0, 0, 0)
-target, procs, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-ready, go = int(sys.argv[4]), int(sys.argv[5])
-children = []
-for _ in range(procs - 1):  # a few processes of one container (one mount namespace)
-    pid = os.fork()
-    if pid == 0:
-        children = []
-        break
-    children.append(pid)
-threading.stack_size(256 * 1024)
-start = threading.Event()
-failed = []
-
-def opener():
-    start.wait()
-    try:
-        os.close(os.open(target, os.O_RDONLY))
-    except OSError as exc:
-        failed.append(exc.errno)
-
-workers = [threading.Thread(target=opener) for _ in range(threads)]
-for w in workers:
-    w.start()
-os.write(ready, b"r")
-os.read(go, 1)
-start.set()
-for w in workers:
-    w.join()
-bad = [os.waitpid(c, 0)[1] for c in children]
-os._exit(1 if failed or any(bad) else 0)
-"""
-
-
-def start_flood(tmp: Path, target: Path, procs: int, threads: int) -> subprocess.Popen[bytes]:
-    """``procs`` processes of ``threads`` threads named ``modprobe``, in one mount namespace
-    of their own (one container), all opening ``target`` at once: started, every thread
-    ready, then released together. The flood's process group is its own."""
-    script = tmp / "flood.py"
-    script.write_text(FLOOD)
-    ready_r, ready_w = os.pipe()
-    go_r, go_w = os.pipe()
-    args = [str(target), str(procs), str(threads), str(ready_w), str(go_r)]
-    flood = subprocess.Popen(
-        ["unshare", "-m", sys.executable, str(script), *args],
-        pass_fds=(ready_w, go_r),
-        start_new_session=True,
-    )
-    os.close(ready_w)
-    os.close(go_r)
-    try:
-        got = b""
-        while len(got) < procs:  # every thread started (a hang: the test's timeout)
-            chunk = os.read(ready_r, procs)
-            assert chunk, "a flood process died before it was ready"
-            got += chunk
-        os.write(go_w, b"g" * procs)
-    finally:
-        os.close(ready_r)
-        os.close(go_w)
-    return flood
 
 
 def test_a_flood_of_held_class_opens_from_one_container_is_bounded(marked_flood: Marked) -> None:

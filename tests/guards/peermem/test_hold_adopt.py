@@ -23,15 +23,17 @@ import pytest
 
 from nodeagent.guards.peermem.adopt import ADOPT_SOCKET
 from nodeagent.sim.node import READY
-from tests.guards.peermem.test_hold_upgrade import _held, _kinds, responder_running
-from tests.guards.peermem.test_responder_apart import (
+from tests.guards.peermem.rig import (
     APART_AGENT,
     REPO,
-    _alive,
-    _hold_status,
-    _loader,
-    _unmounted,
+    alive,
     driver_root,
+    fake_modprobe,
+    hold_status,
+    is_held,
+    recorded,
+    responder_running,
+    unmounted,
 )
 from tests.waiting import WAIT, until
 
@@ -74,15 +76,15 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
     tmp_path: Path,
 ) -> None:
     root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    modprobe = fake_modprobe(tmp_path)
     procs: list[subprocess.Popen[bytes]] = []
     responder = 0
-    with _unmounted(driver):
+    with unmounted(driver):
         try:
             sup = _supervised(root)
             procs.append(sup)
             responder = responder_running(root, "the agent's hold did not start")
-            assert _hold_status(root)["responder_adopted"] is False
+            assert hold_status(root)["responder_adopted"] is False
             first = until(lambda: _agent_pid(sup.pid), "no agent under the supervisor")
             sock = root / "run/nodeagent" / ADOPT_SOCKET
             st = sock.lstat()
@@ -91,7 +93,7 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
             want = ko.read_bytes()
             loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
             procs.append(loader)
-            until(lambda: _held(root, loader.pid), "the load was not held")
+            until(lambda: is_held(root, loader.pid), "the load was not held")
 
             # The agent alone dies (an OOM kill of it alone): the pod lives.
             os.kill(first, signal.SIGKILL)
@@ -100,27 +102,27 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
                 "the supervisor did not start the agent again",
             )
             # The next agent adopts the responder, which held on meanwhile.
-            until(lambda: _kinds(root, "hold-adopted"), "the next agent did not adopt it")
-            (adopted,) = _kinds(root, "hold-adopted")
+            until(lambda: recorded(root, "hold-adopted"), "the next agent did not adopt it")
+            (adopted,) = recorded(root, "hold-adopted")
             assert adopted["responder_pid"] == responder and adopted["held_count"] == 1
             assert [h[0] for h in adopted["held"]] == [loader.pid]
-            assert not _kinds(root, "hold-ended-unclean")  # nothing went through
+            assert not recorded(root, "hold-ended-unclean")  # nothing went through
             until(  # (the dead agent's status.json said the same pid and load)
                 lambda: (
-                    _hold_status(root).get("responder_adopted")
-                    and _held(root, loader.pid, responder)
+                    hold_status(root).get("responder_adopted")
+                    and is_held(root, loader.pid, responder)
                 ),
                 "the new agent's status does not list the adopted responder's load",
             )
-            assert loader.poll() is None and _alive(responder)
-            assert sup.poll() is None and _alive(second)
+            assert loader.poll() is None and alive(responder)
+            assert sup.poll() is None and alive(second)
 
             # MOFED is ready: the new agent's gate opens, the held load goes on.
             (root / READY).write_text("")
             out, _ = loader.communicate(timeout=WAIT)
             assert loader.returncode == 0 and out == want
             ended = until(
-                lambda: [r for r in _kinds(root, "held-open") if r.get("pid") == loader.pid],
+                lambda: [r for r in recorded(root, "held-open") if r.get("pid") == loader.pid],
                 "the new agent did not record the held open's end",
             )
             assert [r["ended"] for r in ended] == ["gate opened"], ended
@@ -129,7 +131,7 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
             # cleanly, the supervisor ends with it; nothing is left behind.
             sup.send_signal(signal.SIGTERM)
             assert sup.wait(WAIT) == 0, sup.stderr.read() if sup.stderr else b""
-            until(lambda: not _alive(responder), "the adopted responder outlived the stop")
+            until(lambda: not alive(responder), "the adopted responder outlived the stop")
             assert not sock.exists()
         finally:
             for p in procs:
@@ -138,7 +140,7 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
                         os.kill(p.pid, signal.SIGKILL)
                     p.wait(WAIT)
             for pid in (responder,):
-                if pid and _alive(pid):
+                if pid and alive(pid):
                     os.kill(pid, signal.SIGKILL)
 
 
@@ -204,4 +206,4 @@ def test_a_responder_whose_agent_lives_is_never_adopted_nor_killed(tmp_path: Pat
         assert process.alive() and (state / ADOPT_SOCKET).exists()
     finally:
         process.stop()
-    assert not _alive(process.pid or 0) and not (state / ADOPT_SOCKET).exists()
+    assert not alive(process.pid or 0) and not (state / ADOPT_SOCKET).exists()

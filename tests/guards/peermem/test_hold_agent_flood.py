@@ -38,8 +38,7 @@ from nodeagent.host.ports import HostPorts
 from nodeagent.loop.exporters import build_exporters
 from nodeagent.loop.wiring import build_agent
 from nodeagent.sim.node import GATE, READY
-from tests.guards.peermem.test_fanotify_hold import records, start_flood
-from tests.guards.peermem.test_responder_apart import driver_root
+from tests.guards.peermem.rig import driver_root, records, start_flood
 from tests.healthy import healthy_node
 from tests.waiting import WAIT, until
 

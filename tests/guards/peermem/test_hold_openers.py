@@ -20,13 +20,11 @@ import pytest
 
 from nodeagent.guards.peermem.openers import opener_may_load
 from nodeagent.sim.node import READY
-from tests.guards.peermem.test_responder_apart import (
-    _agent_here,
-    _held_pids,
-    _loader,
-    _loaders,
-    _unmounted,
-    driver_root,
+from tests.guards.peermem.rig import (
+    agent_here,
+    held_pids,
+    loaders,
+    unmounted,
 )
 from tests.waiting import WAIT, until
 
@@ -48,10 +46,11 @@ def test_opener_may_load_reads_the_capability_and_the_namespace(tmp_path: Path) 
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) here")
-def test_only_an_opener_that_can_load_a_module_is_held(tmp_path: Path) -> None:
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
-    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+def test_only_an_opener_that_can_load_a_module_is_held(
+    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+) -> None:
+    root, driver = driver_tree
+    with loaders() as procs, agent_here(root) as (agent, node):
         side = agent.side("peermem")
         (ko,) = driver.rglob("nvidia-peermem.ko*")
         want = ko.read_bytes()
@@ -66,16 +65,18 @@ def test_only_an_opener_that_can_load_a_module_is_held(tmp_path: Path) -> None:
             lambda: side.hold is not None and side.hold.counts.get("incapable") == 2,
             "the two incapable opens were not counted",
         )
-        assert _held_pids(side) == []
+        assert held_pids(side) == []
         # The driver container's own load (root in the host's namespace) is held.
         procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
-        until(lambda: procs[0].pid in _held_pids(side), "the capable load was not held")
+        until(lambda: procs[0].pid in held_pids(side), "the capable load was not held")
         node.write(READY)
         out, _ = procs[0].communicate(timeout=WAIT)
         assert procs[0].returncode == 0 and out == want
 
 
-def test_no_path_an_opener_picks_silences_the_responder(tmp_path: Path) -> None:
+def test_no_path_an_opener_picks_silences_the_responder(
+    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+) -> None:
     """An unprivileged flood of 500 opens, then 64 held opens (the per-container cap) of
     the module file, all through a bind mount at a 3.5 KB deep path: the responder's
     state lists them with paths cut and the exact count, and its heartbeat, a message of
@@ -84,15 +85,13 @@ def test_no_path_an_opener_picks_silences_the_responder(tmp_path: Path) -> None:
     on with the gate closed)."""
     from nodeagent.guards.peermem.process_main import PATH_LISTED
 
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    root, driver = driver_tree
     deep = tmp_path / "/".join(["d" * 250] * 14)  # 3.5 KB
     deep.mkdir(parents=True)
     with (
-        _unmounted(driver),
-        _unmounted(deep),
-        _loaders() as procs,
-        _agent_here(root) as (
+        unmounted(deep),
+        loaders() as procs,
+        agent_here(root) as (
             agent,
             _node,
         ),

@@ -10,40 +10,10 @@ from typing import Any
 
 import pytest
 
-from nodeagent.agent import Agent
-from nodeagent.config import Config
-from nodeagent.core.peermem import PeermemPolicy
-from nodeagent.guards.peermem.start import HoldHost
 from nodeagent.sim.node import GATE, READY
-from tests.guards.peermem.test_fanotify_hold import OverflowingGroup
+from tests.guards.peermem.fakes import OverflowingGroup, fake_hold_agent, hold_config
 from tests.healthy import healthy_node
 from tests.waiting import WAIT, until
-
-
-def hold_config(tmp_path: Path, roots: tuple[str, ...] = ("run/nvidia/driver",)) -> Config:
-    """Enforce mode, the hold on over ``roots`` (made here), no container rule."""
-    for d in roots:
-        (tmp_path / d).mkdir(parents=True, exist_ok=True)
-    pol = PeermemPolicy(hold_loads="fanotify", hold_roots=roots, hold_containers=())
-    return Config(host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol})
-
-
-def fake_hold_agent(
-    cfg: Config,
-    node: Any,
-    group: OverflowingGroup | None = None,
-    recorded: list[dict[str, Any]] | None = None,
-) -> Any:
-    """The agent with its hold on a fake group (a responder thread of its own)."""
-    host = HoldHost(group=lambda: group or OverflowingGroup([]), host_pids=lambda: True)
-    on_record = recorded.append if recorded is not None else None
-    return Agent(
-        cfg,
-        module_ops=node.kernel,
-        kernel_log=lambda m: [],
-        guard_ports={"peermem": host},
-        on_record=on_record,
-    )
 
 
 @pytest.mark.parametrize("why", ["ready flag removed", "decision gone stale"])

@@ -10,7 +10,7 @@ from typing import Any
 
 from nodeagent.guards.peermem.budget import Caps
 from nodeagent.guards.peermem.reports import HoldReport
-from tests.guards.peermem.test_fanotify_hold import Clock, Opens, capped
+from tests.guards.peermem.fakes import Clock, Opens, capped, fake_hold_agent, hold_config
 from tests.waiting import until
 
 
@@ -32,7 +32,6 @@ def test_reports_the_loop_did_not_read_in_time_are_counted(tmp_path: Path) -> No
 
 
 def test_the_side_records_lost_reports_once_with_their_count(tmp_path: Path) -> None:
-    from tests.guards.peermem.test_hold_order import fake_hold_agent, hold_config
     from tests.healthy import healthy_node
     from tests.waiting import WAIT
 

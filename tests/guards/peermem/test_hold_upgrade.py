@@ -17,17 +17,19 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from nodeagent.sim.node import READY
-from tests.guards.peermem.test_fanotify_hold import records
-from tests.guards.peermem.test_responder_apart import (
+from tests.guards.peermem.rig import (
     APART_AGENT,
     REPO,
-    _hold_status,
-    _loader,
-    _unmounted,
+    START_WAIT,
     driver_root,
+    fake_modprobe,
+    hold_status,
+    is_held,
+    recorded,
+    responder_running,
+    unmounted,
 )
 from tests.waiting import WAIT, until
 
@@ -41,38 +43,13 @@ def _agent(root: Path) -> subprocess.Popen[bytes]:
     )
 
 
-# An agent's start (Python's imports, the simulated node's build, its responder process's
-# own imports) takes tens of seconds in the TCG guest (tests/realkernel/test_hold_upgrade_real
-# runs this file there): a guest run failed once at 30 s waiting for the second agent's.
-START_WAIT = 4 * WAIT
-
-
-def _held(root: Path, pid: int, responder: int | None = None) -> bool:
-    status = _hold_status(root)
-    if responder is not None and status.get("responder_pid") != responder:
-        return False
-    return any(h.get("pid") == pid for h in status.get("held", []))
-
-
-def responder_running(root: Path, what: str) -> int:
-    """The responder's pid, once status says the hold runs."""
-    status = until(
-        lambda: (s := _hold_status(root)).get("state") == "running" and s, what, START_WAIT
-    )
-    return int(status["responder_pid"])
-
-
-def _kinds(root: Path, kind: str) -> list[dict[str, Any]]:
-    return [r for r in records(root / "var/lib/nodeagent/timeline.jsonl") if r.get("kind") == kind]
-
-
 def test_a_held_load_stays_held_across_a_rollout_and_goes_on_when_the_gate_opens(
     tmp_path: Path,
 ) -> None:
     root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    modprobe = fake_modprobe(tmp_path)
     procs: list[subprocess.Popen[bytes]] = []
-    with _unmounted(driver):
+    with unmounted(driver):
         try:
             first = _agent(root)
             procs.append(first)
@@ -81,22 +58,22 @@ def test_a_held_load_stays_held_across_a_rollout_and_goes_on_when_the_gate_opens
             want = ko.read_bytes()
             loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
             procs.append(loader)
-            until(lambda: _held(root, loader.pid), "the load was not held")
+            until(lambda: is_held(root, loader.pid), "the load was not held")
 
             # The rollout stops the first pod: it drains instead of letting the load go.
             first.send_signal(signal.SIGTERM)
-            until(lambda: _kinds(root, "draining"), "the agent did not drain")
+            until(lambda: recorded(root, "draining"), "the agent did not drain")
             assert first.poll() is None and loader.poll() is None
-            assert _held(root, loader.pid, responder)  # its responder still holds it
+            assert is_held(root, loader.pid, responder)  # its responder still holds it
 
             # MOFED is ready: the gate opens, the load goes on, then the agent stops.
             (root / READY).write_text("")
             out, _ = loader.communicate(timeout=WAIT)
             assert loader.returncode == 0 and out == want
             assert first.wait(WAIT) == 0
-            held = [r for r in _kinds(root, "held-open") if r.get("pid") == loader.pid]
+            held = [r for r in recorded(root, "held-open") if r.get("pid") == loader.pid]
             assert [r["ended"] for r in held] == ["gate opened"], held
-            assert _kinds(root, "stop")
+            assert recorded(root, "stop")
 
             # The next pod's agent: the gate closed again (MOFED restarting), its own
             # load held; a second signal during its drain stops it at once (the operator's
@@ -107,7 +84,7 @@ def test_a_held_load_stays_held_across_a_rollout_and_goes_on_when_the_gate_opens
             procs.append(second)
             until(
                 lambda: (
-                    (s := _hold_status(root)).get("state") == "running"
+                    (s := hold_status(root)).get("state") == "running"
                     and s.get("responder_pid") not in (None, responder)
                 ),
                 "the second agent's hold did not start",
@@ -116,10 +93,10 @@ def test_a_held_load_stays_held_across_a_rollout_and_goes_on_when_the_gate_opens
             (ko,) = driver.rglob("nvidia-peermem.ko*")
             late = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
             procs.append(late)
-            until(lambda: _held(root, late.pid), "the second agent did not hold the load")
-            drains = len(_kinds(root, "draining"))
+            until(lambda: is_held(root, late.pid), "the second agent did not hold the load")
+            drains = len(recorded(root, "draining"))
             second.send_signal(signal.SIGTERM)
-            until(lambda: len(_kinds(root, "draining")) > drains, "the second did not drain")
+            until(lambda: len(recorded(root, "draining")) > drains, "the second did not drain")
             assert late.poll() is None
             second.send_signal(signal.SIGTERM)  # again: stop now
             assert second.wait(WAIT) == 0

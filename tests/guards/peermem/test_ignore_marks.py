@@ -38,7 +38,7 @@ from nodeagent.guards.peermem.budget import descriptor_budget
 from nodeagent.guards.peermem.process import ResponderProcess
 from nodeagent.guards.peermem.start import sees_host_pids, spawner, start_hold
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
-from tests.guards.peermem.test_fanotify_hold import _mount_tmpfs
+from tests.guards.peermem.rig import mount_tmpfs
 from tests.waiting import WAIT, until
 
 KVER = "6.1.0-test"
@@ -75,7 +75,7 @@ def hold(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hold]:
         pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
     fs = tmp_path / "fs"
     fs.mkdir()
-    why = _mount_tmpfs(fs)
+    why = mount_tmpfs(fs)
     if why:
         pytest.skip(why)
     modprobe = tmp_path / "bin/modprobe"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -44,18 +43,22 @@ from typing import Any
 import pytest
 
 from nodeagent.guards.peermem.lease import LEASE, HoldLease, _check, boottime, read_lease
-from nodeagent.guards.peermem.start import sees_host_pids
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, GateFiles
 from nodeagent.loop.wiring import LoopHooks
 from nodeagent.sim.node import READY
 from tests.guards.peermem.apart_agent import build
-from tests.guards.peermem.test_fanotify_hold import _mount_tmpfs, records
+from tests.guards.peermem.rig import (
+    APART_AGENT,
+    REPO,
+    agent_here,
+    alive,
+    held_pids,
+    hold_status,
+    loaders,
+    of_kind,
+)
 from tests.waiting import WAIT, until
-
-REPO = Path(__file__).resolve().parents[3]
-APART_AGENT = "tests.guards.peermem.apart_agent"  # python -m: the daemon's agent, apart
-
 
 # -- the lease, alone -----------------------------------------------------------------
 
@@ -87,37 +90,9 @@ def test_the_lease_reads_open_only_while_whole_current_and_not_too_long() -> Non
 # -- the layout ------------------------------------------------------------------------
 
 
-def driver_root(tmp_path: Path) -> tuple[Path, Path]:
-    """(host root, its ``run/nvidia/driver``: a tmpfs to mark); skips where either cannot be."""
-    if not sees_host_pids():
-        pytest.skip("this test process does not see host PIDs (the hold refuses to start)")
-    root = tmp_path / "root"
-    driver = root / "run/nvidia/driver"
-    driver.mkdir(parents=True)
-    why = _mount_tmpfs(driver)
-    if why:
-        pytest.skip(why)
-    return root, driver
-
-
-def _loader(tmp_path: Path) -> str:
-    modprobe = tmp_path / "bin/modprobe"  # a module loader by name, outside the mark
-    modprobe.parent.mkdir(exist_ok=True)
-    shutil.copy("/bin/cat", modprobe)
-    return str(modprobe)
-
-
 def _status(root: Path) -> dict[str, Any]:
     try:
         got = json.loads((root / "run/nodeagent/status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return got if isinstance(got, dict) else {}
-
-
-def _hold_status(root: Path) -> dict[str, Any]:
-    try:
-        got = json.loads((root / "run/nodeagent/status.json").read_text()).get("hold")
     except (OSError, ValueError):
         return {}
     return got if isinstance(got, dict) else {}
@@ -134,79 +109,63 @@ def _opens_complete(path: Path, n: int) -> None:
         assert p.returncode == 0, p.stderr
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@contextlib.contextmanager
-def _unmounted(driver: Path) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", "-l", str(driver)], capture_output=True)
-
-
 # -- the agent stopped, then killed ----------------------------------------------------
 
 
 def test_a_stopped_agent_stalls_no_open_and_a_killed_one_leaves_its_responder_holding(
     tmp_path: Path,
+    driver_tree: tuple[Path, Path],
+    modprobe: str,
 ) -> None:
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    root, driver = driver_tree
     agent = loader = None
-    with _unmounted(driver):
-        try:
-            agent = subprocess.Popen(
-                [sys.executable, "-m", APART_AGENT, str(root)],
-                cwd=REPO,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-            )
-            status = until(
-                lambda: (s := _hold_status(root)).get("responder_pid") and s,
-                "the agent's hold did not start",
-            )
-            assert status["marked"] == ["run/nvidia/driver"] and status["gate_open"] is False
-            responder = int(status["responder_pid"])
-            assert responder != agent.pid and _alive(responder)
-            (ko,) = driver.rglob("nvidia-peermem.ko*")
-            other = driver / "not-a-module"
-            other.write_bytes(b"other\n")
+    try:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", APART_AGENT, str(root)],
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        status = until(
+            lambda: (s := hold_status(root)).get("responder_pid") and s,
+            "the agent's hold did not start",
+        )
+        assert status["marked"] == ["run/nvidia/driver"] and status["gate_open"] is False
+        responder = int(status["responder_pid"])
+        assert responder != agent.pid and alive(responder)
+        (ko,) = driver.rglob("nvidia-peermem.ko*")
+        other = driver / "not-a-module"
+        other.write_bytes(b"other\n")
 
-            os.kill(agent.pid, signal.SIGSTOP)  # the whole agent: every thread of it
-            until(
-                lambda: Path(f"/proc/{agent.pid}/stat").read_text().split(") ")[1][0] == "T",
-                "the agent did not stop",
-            )
-            _opens_complete(other, 20)  # answered by the responder apart
-            loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
-            _opens_complete(other, 2)  # two rounds of the responder since the loader's open
-            assert loader.poll() is None, "a load went on with the gate closed"
-            _opens_complete(other, 5)  # still answering, the load still held
-            assert loader.poll() is None
+        os.kill(agent.pid, signal.SIGSTOP)  # the whole agent: every thread of it
+        until(
+            lambda: Path(f"/proc/{agent.pid}/stat").read_text().split(") ")[1][0] == "T",
+            "the agent did not stop",
+        )
+        _opens_complete(other, 20)  # answered by the responder apart
+        loader = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
+        _opens_complete(other, 2)  # two rounds of the responder since the loader's open
+        assert loader.poll() is None, "a load went on with the gate closed"
+        _opens_complete(other, 5)  # still answering, the load still held
+        assert loader.poll() is None
 
-            # Killed while stopped, without a stop (issue 52): the responder holds on for
-            # the next agent to adopt it (test_hold_adopt.py), gate closed, still answering;
-            # only the pod's death (every process of it) lets the load go.
-            os.kill(agent.pid, signal.SIGKILL)
-            agent.wait(WAIT)
-            _opens_complete(other, 5)
-            assert loader.poll() is None and _alive(responder)
-            os.kill(responder, signal.SIGKILL)
-            out, _ = loader.communicate(timeout=WAIT)
-            assert loader.returncode == 0 and out == ko.read_bytes()
-        finally:
-            for p in (loader, agent):
-                if p is not None and p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p.pid, signal.SIGCONT)
-                    p.kill()
-                    p.wait(WAIT)
+        # Killed while stopped, without a stop (issue 52): the responder holds on for
+        # the next agent to adopt it (test_hold_adopt.py), gate closed, still answering;
+        # only the pod's death (every process of it) lets the load go.
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(WAIT)
+        _opens_complete(other, 5)
+        assert loader.poll() is None and alive(responder)
+        os.kill(responder, signal.SIGKILL)
+        out, _ = loader.communicate(timeout=WAIT)
+        assert loader.returncode == 0 and out == ko.read_bytes()
+    finally:
+        for p in (loader, agent):
+            if p is not None and p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait(WAIT)
 
 
 # -- the loop thread stalled, the responder killed: the agent in this process --------------
@@ -230,55 +189,16 @@ class _Stall:
         yield
 
 
-@contextlib.contextmanager
-def _agent_here(root: Path, hooks: LoopHooks | None = None) -> Iterator[tuple[Any, Any]]:
-    """The agent (``apart_agent.py``'s) run in a thread of this process until the block
-    ends; (agent, node) once its hold started."""
-    agent, node = build(root, hooks)
-    thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
-    thread.start()
-    try:
-        side = agent.side("peermem")
-        until(lambda: side is not None and side.hold is not None, "the hold did not start")
-        yield agent, node
-        assert thread.is_alive(), "the agent's loop ended"
-    finally:
-        agent.stop()
-        thread.join(WAIT)
-        node.kernel.uevent_source.close()
-
-
-@contextlib.contextmanager
-def _loaders() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes the test starts; any still running at the end is killed."""
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(WAIT)
-
-
-def _held_pids(side: Any) -> list[int]:
-    return [h[0] for h in side.hold.held()] if side.hold is not None else []
-
-
-def _kinds(timeline: Path, kind: str) -> list[dict[str, Any]]:
-    return [r for r in records(timeline) if r.get("kind") == kind]
-
-
-def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(tmp_path: Path) -> None:
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(
+    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+) -> None:
+    root, driver = driver_tree
     stall = _Stall(seconds=10.0)
     gates = GateFiles(HostRoot(str(root)), "run/nodeagent")
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
     with (
-        _unmounted(driver),
-        _loaders() as procs,
-        _agent_here(root, LoopHooks(pass_context=stall.context)) as (agent, node),
+        loaders() as procs,
+        agent_here(root, LoopHooks(pass_context=stall.context)) as (agent, node),
     ):
         try:
             side = agent.side("peermem")
@@ -298,7 +218,7 @@ def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(tmp_pat
             _opens_complete(other, 20)
             procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
             loader = procs[0]
-            until(lambda: loader.pid in _held_pids(side), "a load went on, gate read closed")
+            until(lambda: loader.pid in held_pids(side), "a load went on, gate read closed")
             _opens_complete(other, 5)
             assert loader.poll() is None
             assert time.monotonic() - stalled_at < stall.seconds, "the stall ended too soon"
@@ -308,7 +228,7 @@ def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(tmp_pat
             stall.release.set()  # the loop is back: it renews, the gate reads open again
             out, _ = loader.communicate(timeout=WAIT)
             assert loader.returncode == 0 and out == ko.read_bytes()
-            (rec,) = until(lambda: _kinds(timeline, "held-open"), "the held open not recorded")
+            (rec,) = until(lambda: of_kind(timeline, "held-open"), "the held open not recorded")
             assert rec["ended"] == "gate opened" and rec["pid"] == loader.pid
         finally:
             stall.on.clear()
@@ -317,25 +237,26 @@ def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(tmp_pat
 
 def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
     tmp_path: Path,
+    driver_tree: tuple[Path, Path],
+    modprobe: str,
 ) -> None:
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    root, driver = driver_tree
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
-    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+    with loaders() as procs, agent_here(root) as (agent, node):
         side = agent.side("peermem")
         (ko,) = driver.rglob("nvidia-peermem.ko*")
         first = side.hold
         procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
-        until(lambda: procs[0].pid in _held_pids(side), "the load was not held")
+        until(lambda: procs[0].pid in held_pids(side), "the load was not held")
 
         os.kill(first.pid, signal.SIGKILL)
         out, _ = procs[0].communicate(timeout=WAIT)  # the kernel let it go at once
         assert procs[0].returncode == 0 and out == ko.read_bytes()
-        (died,) = until(lambda: _kinds(timeline, "hold-responder-died"), "death not recorded")
+        (died,) = until(lambda: of_kind(timeline, "hold-responder-died"), "death not recorded")
         assert died["pid"] == first.pid and died["how"] == "killed by SIGKILL"
         status = until(  # (first "starting": the new one starts off the loop thread)
             lambda: (
-                (s := _hold_status(root)).get("responder_restarts") == 1
+                (s := hold_status(root)).get("responder_restarts") == 1
                 and s.get("responder") == "answering"
                 and s
             ),
@@ -343,11 +264,11 @@ def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
         )
         assert status["responder_pid"] not in (None, first.pid)
         assert status["marked"] == ["run/nvidia/driver"] and status["responder"] == "answering"
-        assert len(_kinds(timeline, "hold-started")) == 2
+        assert len(of_kind(timeline, "hold-started")) == 2
 
         procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
         until(
-            lambda: side.hold is not first and procs[1].pid in _held_pids(side),
+            lambda: side.hold is not first and procs[1].pid in held_pids(side),
             "the new responder did not hold the next load",
         )
         node.write(READY)
@@ -357,34 +278,35 @@ def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
 
 def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_off(
     tmp_path: Path,
+    driver_tree: tuple[Path, Path],
 ) -> None:
     from nodeagent.guards.peermem.side import RESTARTS_MAX
 
-    root, driver = driver_root(tmp_path)
+    root, _driver = driver_tree
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
-    with _unmounted(driver), _agent_here(root) as (agent, _node):
+    with agent_here(root) as (agent, _node):
         side = agent.side("peermem")
         for n in range(RESTARTS_MAX + 1):
             hold = until(lambda: side.hold if side.hold and side.hold.alive() else None, "up")
             os.kill(hold.pid, signal.SIGKILL)
             until(
-                lambda n=n: len(_kinds(timeline, "hold-responder-died")) == n + 1,
+                lambda n=n: len(of_kind(timeline, "hold-responder-died")) == n + 1,
                 "the death was not recorded",
             )
         (off,) = until(
             lambda: [
-                r for r in _kinds(timeline, "state-problem") if "died" in str(r.get("problem"))
+                r for r in of_kind(timeline, "state-problem") if "died" in str(r.get("problem"))
             ],
             "the hold did not give up",
         )
         assert f"died {RESTARTS_MAX + 1} times" in off["problem"]
         assert "not holding any load until the agent restarts" in off["problem"]
         until(lambda: side.hold is None, "a hold is still on")
-        assert len(_kinds(timeline, "hold-started")) == RESTARTS_MAX + 1
+        assert len(of_kind(timeline, "hold-started")) == RESTARTS_MAX + 1
         status = until(
             lambda: (
                 _status(root)
-                if _hold_status(root).get("state", "").startswith("off after")
+                if hold_status(root).get("state", "").startswith("off after")
                 else None
             ),
             "status never said the hold is off",
@@ -397,14 +319,15 @@ def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_of
 
 def test_a_stuck_responder_is_killed_its_held_opens_go_and_a_new_one_answers(
     tmp_path: Path,
+    driver_tree: tuple[Path, Path],
+    modprobe: str,
 ) -> None:
     """A responder that stops answering stalls every open in marked filesystems: silent
     past its ``stuck_s`` (10 s; 2 s here) while the agent's reader kept listening, it is
     killed, what it held goes on, and a new one answers."""
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    root, driver = driver_tree
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
-    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, _node):
+    with loaders() as procs, agent_here(root) as (agent, _node):
         side = agent.side("peermem")
         (ko,) = driver.rglob("nvidia-peermem.ko*")
         other = driver / "not-a-module"
@@ -412,14 +335,14 @@ def test_a_stuck_responder_is_killed_its_held_opens_go_and_a_new_one_answers(
         first = side.hold
         first.stuck_s = 2.0
         procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
-        until(lambda: procs[0].pid in _held_pids(side), "the load was not held")
+        until(lambda: procs[0].pid in held_pids(side), "the load was not held")
         os.kill(first.pid, signal.SIGSTOP)  # stuck: it answers nothing
         procs.append(subprocess.Popen(["cat", str(other)], stdout=subprocess.PIPE))
         out, _ = procs[1].communicate(timeout=WAIT)  # waits until the stuck one is killed
         assert procs[1].returncode == 0 and out == b"other\n"
         out, _ = procs[0].communicate(timeout=WAIT)
         assert procs[0].returncode == 0 and out == ko.read_bytes()
-        (died,) = until(lambda: _kinds(timeline, "hold-responder-died"), "death not recorded")
+        (died,) = until(lambda: of_kind(timeline, "hold-responder-died"), "death not recorded")
         assert died["stuck"] is True and "silent for 2s" in died["how"]
         assert died["pid"] == first.pid
         until(lambda: (h := side.hold) not in (None, first) and h.alive(), "no new responder")
@@ -469,18 +392,17 @@ def _children() -> list[int]:
 
 
 def test_a_slow_new_responder_stalls_no_pass_and_is_adopted_once_it_answers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The new responder after a death waits to answer (as a Python start may on a loaded
     node, up to 15 s): passes go on meanwhile, the gate (open when it died) is withdrawn,
     opened and withdrawn, the side holds nothing and says "starting"; once it answers, a
     pass adopts it, tells it the gate as it is now (closed, not as it was at the death) and
     it holds the next load."""
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    root, driver = driver_tree
     gates = GateFiles(HostRoot(str(root)), "run/nodeagent")
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
-    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+    with loaders() as procs, agent_here(root) as (agent, node):
         side = agent.side("peermem")
         (ko,) = driver.rglob("nvidia-peermem.ko*")
         first = side.hold
@@ -491,7 +413,7 @@ def test_a_slow_new_responder_stalls_no_pass_and_is_adopted_once_it_answers(
         try:
             os.kill(first.pid, signal.SIGKILL)
             status = until(
-                lambda: (s := _hold_status(root)).get("responder") == "starting" and s,
+                lambda: (s := hold_status(root)).get("responder") == "starting" and s,
                 "the hold did not say its new responder is starting",
             )
             assert status["responder_pid"] is None and status["responder_restarts"] == 1
@@ -500,7 +422,7 @@ def test_a_slow_new_responder_stalls_no_pass_and_is_adopted_once_it_answers(
                 lambda: side.replacement is not None and side.replacement.pid,
                 "the new responder's process was not spawned",
             )
-            assert _alive(starting) and side.hold is None
+            assert alive(starting) and side.hold is None
 
             # The loop runs passes while it waits (before, its loop thread waited here): the
             # gate withdrawn, opened, withdrawn again.
@@ -517,21 +439,21 @@ def test_a_slow_new_responder_stalls_no_pass_and_is_adopted_once_it_answers(
             until(lambda: agent.passes >= passes + 3, "the passes did not end")
             assert side.hold is None and side.replacement is not None  # still starting
             assert not side.needs_beat()
-            assert _hold_status(root)["responder"] == "starting"
+            assert hold_status(root)["responder"] == "starting"
 
             slow.release()  # it answers: a pass adopts it
             status = until(
-                lambda: (s := _hold_status(root)).get("responder") == "answering" and s,
+                lambda: (s := hold_status(root)).get("responder") == "answering" and s,
                 "the new responder was not adopted",
             )
             assert status["responder_pid"] == starting and side.hold.pid == starting
             assert status["marked"] == ["run/nvidia/driver"] and status["gate_open"] is False
             assert status["responder_restarts"] == 1 and side.replacement is None
-            assert len(_kinds(timeline, "hold-started")) == 2
+            assert len(of_kind(timeline, "hold-started")) == 2
 
             # Told the gate as it is now (closed): the next load is held, then goes with it.
             procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
-            until(lambda: procs[0].pid in _held_pids(side), "the new responder did not hold")
+            until(lambda: procs[0].pid in held_pids(side), "the new responder did not hold")
             assert procs[0].poll() is None
             node.write(READY)
             out, _ = procs[0].communicate(timeout=WAIT)
@@ -553,67 +475,65 @@ def _descriptors(tmp_path: Path) -> list[str]:
 
 
 def test_an_agent_stopped_while_a_new_responder_starts_leaves_no_process_or_descriptor(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver_tree: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    root, driver = driver_root(tmp_path)
-    with _unmounted(driver):
-        before = _descriptors(tmp_path)
-        with _agent_here(root) as (agent, _node):
-            side = agent.side("peermem")
-            _SlowStart(tmp_path, monkeypatch, ready_timeout_s=10 * WAIT)  # never let go
-            os.kill(side.hold.pid, signal.SIGKILL)
-            replacement = until(lambda: side.replacement, "no new responder started")
-            starting = until(lambda: replacement.pid, "the new responder was not spawned")
-            assert _alive(starting)
-        # The block's end stopped the agent while the new one waited: it was killed, its
-        # starter ended, and every descriptor it and the hold opened is closed.
-        assert replacement.thread is not None and not replacement.thread.is_alive()
-        assert side.replacement is None and side.hold is None
-        assert not _alive(starting) and _children() == []
-        # None left (pipes, eventfd, lease, group). Only new ones count: an earlier test's
-        # objects, collected meanwhile, may have closed some of ``before``.
-        left = Counter(_descriptors(tmp_path)) - Counter(before)
-        assert not left, left
+    root, _driver = driver_tree
+    before = _descriptors(tmp_path)
+    with agent_here(root) as (agent, _node):
+        side = agent.side("peermem")
+        _SlowStart(tmp_path, monkeypatch, ready_timeout_s=10 * WAIT)  # never let go
+        os.kill(side.hold.pid, signal.SIGKILL)
+        replacement = until(lambda: side.replacement, "no new responder started")
+        starting = until(lambda: replacement.pid, "the new responder was not spawned")
+        assert alive(starting)
+    # The block's end stopped the agent while the new one waited: it was killed, its
+    # starter ended, and every descriptor it and the hold opened is closed.
+    assert replacement.thread is not None and not replacement.thread.is_alive()
+    assert side.replacement is None and side.hold is None
+    assert not alive(starting) and _children() == []
+    # None left (pipes, eventfd, lease, group). Only new ones count: an earlier test's
+    # objects, collected meanwhile, may have closed some of ``before``.
+    left = Counter(_descriptors(tmp_path)) - Counter(before)
+    assert not left, left
 
 
 def test_a_first_start_that_hangs_delays_no_pass(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver_tree: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first responder starts off the loop thread too (issue 51: a first start that
     hung delayed the first pass, and its protective steps, by 15 s): passes go on while
     it waits, status says ``starting`` and names the problem; once it answers, a pass
     adopts it."""
-    root, driver = driver_root(tmp_path)
+    root, _driver = driver_tree
     slow = _SlowStart(tmp_path, monkeypatch, ready_timeout_s=10 * WAIT)
-    with _unmounted(driver):
-        agent, node = build(root)
-        thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
-        thread.start()
-        try:
-            side = agent.side("peermem")
-            assert side is not None
-            until(lambda: agent.passes >= 1, "no first pass while the responder starts")
-            status = until(
-                lambda: _status(root) if _hold_status(root).get("state") == "starting" else None,
-                "status does not say the hold is starting",
-            )
-            assert side.hold is None and side.replacement is not None
-            assert any(
-                p == "peermem.hold_loads is configured and not holding any load: starting"
-                for p in status["problems"]
-            ), status["problems"]
-            slow.release()
-            until(lambda: side.hold is not None and side.hold.alive(), "it was never adopted")
-            until(lambda: _hold_status(root).get("state") == "running", "status never 'running'")
-        finally:
-            agent.stop()
-            thread.join(WAIT)
-            node.kernel.uevent_source.close()
-        assert not thread.is_alive()
+    agent, node = build(root)
+    thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
+    thread.start()
+    try:
+        side = agent.side("peermem")
+        assert side is not None
+        until(lambda: agent.passes >= 1, "no first pass while the responder starts")
+        status = until(
+            lambda: _status(root) if hold_status(root).get("state") == "starting" else None,
+            "status does not say the hold is starting",
+        )
+        assert side.hold is None and side.replacement is not None
+        assert any(
+            p == "peermem.hold_loads is configured and not holding any load: starting"
+            for p in status["problems"]
+        ), status["problems"]
+        slow.release()
+        until(lambda: side.hold is not None and side.hold.alive(), "it was never adopted")
+        until(lambda: hold_status(root).get("state") == "running", "status never 'running'")
+    finally:
+        agent.stop()
+        thread.join(WAIT)
+        node.kernel.uevent_source.close()
+    assert not thread.is_alive()
 
 
 def test_new_responders_that_do_not_answer_are_tried_again_and_said_until_one_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, driver_tree: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each new responder that does not answer in its time is a failed start (a
     state-problem each), tried again after a backoff that doubles, never given up: status
@@ -623,14 +543,14 @@ def test_new_responders_that_do_not_answer_are_tried_again_and_said_until_one_do
     from nodeagent.guards.peermem import side_start as peermem_hold
 
     monkeypatch.setattr(peermem_hold, "START_RETRY_S", 0.05)  # 0.05, 0.1, 0.2 ... s
-    root, driver = driver_root(tmp_path)
+    root, _driver = driver_tree
     gates = GateFiles(HostRoot(str(root)), "run/nodeagent")
     timeline = root / "var/lib/nodeagent/timeline.jsonl"
 
     def problems(text: str) -> list[dict[str, Any]]:
-        return [r for r in _kinds(timeline, "state-problem") if text in str(r.get("problem"))]
+        return [r for r in of_kind(timeline, "state-problem") if text in str(r.get("problem"))]
 
-    with _unmounted(driver), _agent_here(root) as (agent, node):
+    with agent_here(root) as (agent, node):
         side = agent.side("peermem")
         slow = _SlowStart(tmp_path, monkeypatch, ready_timeout_s=0.5)  # none answers yet
         os.kill(side.hold.pid, signal.SIGKILL)
@@ -638,7 +558,7 @@ def test_new_responders_that_do_not_answer_are_tried_again_and_said_until_one_do
         until(lambda: gates.read("peermem").is_open, "no pass opened the gate")
         until(lambda: len(problems("did not answer in 0.5s")) >= 2, "no second failed start")
         status = until(
-            lambda: _status(root) if "retrying" in _hold_status(root).get("state", "") else None,
+            lambda: _status(root) if "retrying" in hold_status(root).get("state", "") else None,
             "status does not say the hold is retrying",
         )
         assert status["hold"]["state"] == (
@@ -652,11 +572,11 @@ def test_new_responders_that_do_not_answer_are_tried_again_and_said_until_one_do
         slow.release()
         until(lambda: side.hold is not None and side.hold.alive(), "no new responder answered")
         status = until(
-            lambda: _status(root) if _hold_status(root).get("state") == "running" else None,
+            lambda: _status(root) if hold_status(root).get("state") == "running" else None,
             "status does not say the hold runs",
         )
         assert not any("not holding" in p for p in status["problems"]), status["problems"]
-        assert side.start_failures == 0 and len(_kinds(timeline, "hold-started")) == 2
+        assert side.start_failures == 0 and len(of_kind(timeline, "hold-started")) == 2
         assert gates.read("peermem").is_open  # the gate is the agent's: it stayed
 
 
@@ -699,16 +619,17 @@ def _openers(fd: int) -> set[int]:
             off += max(event_len, meta.size)
 
 
-def test_once_ready_the_responder_opens_no_file_where_its_code_lives(tmp_path: Path) -> None:
+def test_once_ready_the_responder_opens_no_file_where_its_code_lives(
+    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+) -> None:
     """What it must never do: open a file on a filesystem that may be marked, and wait on
     itself. A notification group watches the filesystems of its Python and of this
     package while it answers held, released and other opens: none of them is its."""
     import nodeagent
 
-    root, driver = driver_root(tmp_path)
-    modprobe = _loader(tmp_path)
+    root, driver = driver_tree
     watched = sorted({os.path.dirname(os.__file__), os.path.dirname(nodeagent.__file__), "/"})
-    with _unmounted(driver), _loaders() as procs, _agent_here(root) as (agent, node):
+    with loaders() as procs, agent_here(root) as (agent, node):
         side = agent.side("peermem")
         fd = _notification_group(watched)
         if fd is None:
@@ -719,7 +640,7 @@ def test_once_ready_the_responder_opens_no_file_where_its_code_lives(tmp_path: P
             other.write_bytes(b"other\n")
             _openers(fd)  # what came before (its start) is not the question
             procs.append(subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE))
-            until(lambda: procs[0].pid in _held_pids(side), "the load was not held")
+            until(lambda: procs[0].pid in held_pids(side), "the load was not held")
             _opens_complete(other, 5)
             node.write(READY)
             out, _ = procs[0].communicate(timeout=WAIT)
@@ -771,14 +692,16 @@ def test_a_responder_that_cannot_start_is_one_line_and_leaves_no_descriptor(
     assert len(os.listdir("/proc/self/fd")) == before - 1  # the group's, and nothing else
 
 
-def test_a_pass_opens_no_file_on_the_marked_filesystem(tmp_path: Path) -> None:
+def test_a_pass_opens_no_file_on_the_marked_filesystem(
+    tmp_path: Path, driver_tree: tuple[Path, Path]
+) -> None:
     """The agent reads the GPU driver's tree at every pass (nvidia-peermem.ko, its
     dependency, modules.dep), and that tree is on the filesystem the hold marks. A pass
     identifies them without opening them (O_PATH), so it costs the responder nothing:
     before, each pass's open of the target was a round trip through it (never ignored,
     being a target), on the way from MOFED's flag to the held load (issue 39)."""
-    root, driver = driver_root(tmp_path)
-    with _unmounted(driver), _agent_here(root) as (agent, _node):
+    root, driver = driver_tree
+    with agent_here(root) as (agent, _node):
         side = agent.side("peermem")
         (ko,) = driver.rglob("nvidia-peermem.ko*")
 
