@@ -15,10 +15,8 @@ from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.core.guard import Verdict
 from nodeagent.core.storage import LOCK_LOOK_S, LOCK_RELOOK_S
+from tests.storage_node import HOLD, LOCK, MOUNTINFO, ROOT_MOUNT, node
 from tests.waiting import WAIT, until
-
-HOLD = "etc/modprobe.d/nodeagent-storage-hold.conf"
-LOCK = "run/mellanox/drivers/.lock"
 
 
 class Kernel:
@@ -52,29 +50,6 @@ def storage_pass(root: Path) -> tuple[Verdict, Kernel]:
         kernel_log=lambda m: [],
     )
     return agent.run_once(["start"]).verdicts["storage"], kernel
-
-
-MOUNTINFO = "proc/1/mountinfo"
-ROOT_MOUNT = "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n"
-
-
-def node(tmp_path: Path, module: str = "rpcrdma") -> Path:
-    """MOFED pending (its lock held) and ``module`` loaded with no user: the agent removes it."""
-    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
-    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
-    (tmp_path / "proc/1").mkdir(parents=True)
-    (tmp_path / MOUNTINFO).write_text(ROOT_MOUNT)
-    d = tmp_path / "sys/module" / module
-    (d / "holders").mkdir(parents=True)
-    (d / "initstate").write_text("live\n")
-    (d / "refcnt").write_text("0\n")
-    lock = tmp_path / LOCK
-    lock.parent.mkdir(parents=True)
-    lock.touch()
-    st = os.stat(lock)
-    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    (tmp_path / "proc/locks").write_text(f"1: FLOCK  ADVISORY  WRITE 99 {where} 0 EOF\n")
-    return tmp_path
 
 
 def test_the_hold_file_is_written_then_removed_when_the_agent_stops(tmp_path: Path) -> None:

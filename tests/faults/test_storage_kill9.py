@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from tests.faults.storage_runner import SlowFileKernel, agent, make_module
+from tests.storage_node import HOLD, node
 
-from ..test_storage_agent import HOLD, node
 from ..waiting import WAIT, until
 
 MODULES = ("ib_iser", "ib_srp", "rpcrdma")

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from nodeagent.errors import NodeagentError
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S, GateFiles, lease_clock
+from nodeagent.sim.node import Node
 from tests.waiting import WAIT, until
 
 GATE = "run/nodeagent/peermem.gate"
@@ -136,13 +137,11 @@ def test_absurd_leases_and_other_boots_read_closed(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def running(tmp_path: Path) -> Iterator[tuple[Path, object]]:
+def running(tmp_path: Path, node: Node) -> Iterator[tuple[Path, object]]:
     """The real agent loop (enforce, real inotify) on a healthy node whose gate is open."""
     from nodeagent.agent import Agent
     from nodeagent.config import Config
-    from tests.healthy import healthy_node
 
-    node = healthy_node(tmp_path)
     cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, resync_seconds=3600)
     agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
     thread = threading.Thread(target=agent.run, daemon=True)
@@ -154,7 +153,6 @@ def running(tmp_path: Path) -> Iterator[tuple[Path, object]]:
     finally:
         agent.stop()
         thread.join(WAIT)
-        node.kernel.uevent_source.close()
 
 
 def _close_decision(root: Path) -> None:
@@ -270,10 +268,7 @@ def _all_stopped(pid: int) -> bool:
     return bool(stats) and all(x.rsplit(")", 1)[1].split()[0] == "T" for x in stats)
 
 
-def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) -> None:
-    from tests.healthy import healthy_node
-
-    node = healthy_node(tmp_path)
+def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path, node: Node) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", AGENT, str(tmp_path)],
         stdout=subprocess.DEVNULL,
@@ -312,7 +307,6 @@ def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path) 
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
-        node.kernel.uevent_source.close()
 
 
 # -- time: a stepped wall clock moves no schedule ------------------------------------------
@@ -334,13 +328,11 @@ def test_the_agents_clock_ignores_wall_clock_steps() -> None:
 
 @pytest.mark.parametrize("step", [-3600.0, 3600.0])
 def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
-    tmp_path: Path, step: float
+    tmp_path: Path, node: Node, step: float
 ) -> None:
     from nodeagent.agent import Agent, SteadyClock
     from nodeagent.config import Config
-    from tests.healthy import healthy_node
 
-    node = healthy_node(tmp_path)
     offset = [0.0]
     cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=0.3)
     agent = Agent(
@@ -366,4 +358,3 @@ def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
     finally:
         agent.stop()
         thread.join(WAIT)
-        node.kernel.uevent_source.close()

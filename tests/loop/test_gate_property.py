@@ -25,10 +25,10 @@ from nodeagent.config import Config
 from nodeagent.core.actions import UnloadModule
 from nodeagent.core.mofed import restart_signals
 from nodeagent.host.kmod import ModuleOpError
-from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
-from tests.healthy import STACK, healthy_node
+from nodeagent.sim.node import GATE, Node
+from tests.healthy import healthy_node
+from tests.loop.node_changes import NODE_CHANGES, change
 
-NODE_CHANGES = ("restart-begins", "restart-ends", "stack-leaves", "stack-returns", "nothing")
 FAULTS = ("none", "state-unwritable", "status-unwritable", "timeline-unwritable",
           "action-fails", "observer-raises")  # fmt: skip
 
@@ -58,25 +58,6 @@ class FlakyKernel:
 
     def probe(self, name: str, moddir: str, params: Sequence[str] = ()) -> None:
         raise AssertionError("not used")
-
-
-def change(node: Node, what: str) -> None:
-    with node.sched.world:
-        if what == "restart-begins":
-            node.write_blacklist()
-            if node.exists(READY):
-                node.remove(READY)
-        elif what == "restart-ends":
-            if node.exists(BLACKLIST):
-                node.remove(BLACKLIST)
-            node.write(READY)
-        elif what == "stack-leaves":
-            for m in ("mlx5_ib", "mlx5_core"):
-                if node.kernel.is_live(m) and not node.kernel.modules[m].holders:
-                    node.kernel.remove(m)
-        elif what == "stack-returns":
-            for m in STACK:
-                node.kernel.modprobe(m, node.mofed_moddir)
 
 
 def block(root: Path, rel: str) -> Path:

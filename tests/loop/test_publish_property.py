@@ -32,7 +32,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
 from nodeagent.sim.node import Node
 from tests.healthy import healthy_node
-from tests.loop.test_gate_property import NODE_CHANGES, change
+from tests.loop.node_changes import NODE_CHANGES, change
 from tests.waiting import WAIT, until
 
 PEERMEM = "nvidia_peermem"

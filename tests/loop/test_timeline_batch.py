@@ -16,11 +16,12 @@ from typing import Any
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
-from tests.healthy import healthy_node
+from nodeagent.sim.node import Node
 
 
-def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Path) -> None:
-    node = healthy_node(tmp_path)
+def test_a_pass_writes_its_records_in_one_append_before_its_status(
+    tmp_path: Path, node: Node
+) -> None:
     seen: list[str] = []
     agent = Agent(
         Config(host_root=str(tmp_path), mode="enforce", uevents=False),
@@ -68,16 +69,15 @@ def test_a_pass_writes_its_records_in_one_append_before_its_status(tmp_path: Pat
         assert [r["kind"] for r in timeline.records()][-1] == "state-problem"
     finally:
         agent.close()
-        node.kernel.uevent_source.close()
 
 
 def test_the_gate_is_published_before_the_reports_and_taken_back_when_status_fails(
     tmp_path: Path,
+    node: Node,
 ) -> None:
     """Rule 5 and 8 of loop/passes.py: an open gate waits for its observation, decision
     and memory, not for records, status or the other plans; a status that cannot be
     written takes the gate back before the pass ends."""
-    node = healthy_node(tmp_path)
     agent = Agent(
         Config(host_root=str(tmp_path), mode="enforce", uevents=False),
         module_ops=node.kernel,
@@ -128,4 +128,3 @@ def test_the_gate_is_published_before_the_reports_and_taken_back_when_status_fai
         assert any("status write failed" in p for p in agent.books.problems)
     finally:
         agent.close()
-        node.kernel.uevent_source.close()

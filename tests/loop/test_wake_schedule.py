@@ -14,8 +14,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import RENEW_S, GateFiles
 from nodeagent.loop import passes as passes_module
 from nodeagent.loop.passes import PASS_RETRY_S, WakeSchedule
-from nodeagent.sim.node import GATE
-from tests.healthy import healthy_node
+from nodeagent.sim.node import GATE, Node
 from tests.waiting import WAIT, until
 
 
@@ -64,13 +63,12 @@ def test_the_resync_is_rescheduled_once_it_came_due() -> None:
 
 
 def test_an_idle_agent_with_a_gate_open_beats_and_makes_no_pass(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Idle with the peermem gate open: the loop renews the gate's lease every RENEW_S
     (here shortened) and makes no pass until an event or the resync (an hour): a waker's
     timeout is a timeout, not a reason for a pass (issue 50: every beat was a full pass)."""
     monkeypatch.setattr(passes_module, "RENEW_S", 0.02)
-    node = healthy_node(tmp_path)
     cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=3600)
     agent = Agent(cfg, module_ops=node.kernel, pass_context=lambda: node.sched.world)
     gates = GateFiles(HostRoot(tmp_path), cfg.paths.state_dir)
@@ -93,7 +91,6 @@ def test_an_idle_agent_with_a_gate_open_beats_and_makes_no_pass(
     finally:
         agent.stop()
         thread.join(WAIT)
-        node.kernel.uevent_source.close()
     assert not thread.is_alive()
 
 

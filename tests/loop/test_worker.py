@@ -26,7 +26,7 @@ from nodeagent.host.act import Actuator
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModprobeTools
 from nodeagent.loop.workers import PlanWorkers
-from tests.test_storage_agent import HOLD, LOCK, node
+from tests.storage_node import HOLD, LOCK, node
 from tests.waiting import WAIT, until
 
 
