@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from nodeagent.agent import Agent
 from nodeagent.config import Config
 from nodeagent.sim.modtree import GPU_MODULES
 from nodeagent.sim.node import BLACKLIST, GATE, READY, Node
-from nodeagent.sim.scenarios import NVIDIA, stack_node
+from nodeagent.sim.scenarios import NVIDIA
 from tests.waiting import WAIT, until
 
 KVER = "6.1.0-test"
@@ -59,18 +55,6 @@ class RunningAgent:
         assert not self.thread.is_alive()
 
 
-def build_node(root: Path) -> Node:
-    """A GPU node with MOFED's RDMA stack and nvidia loaded; no ready flag yet."""
-    return stack_node(root, KVER)
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = build_node(tmp_path)
-    yield n
-    n.kernel.uevent_source.close()
-
-
 def action_records(node: Node) -> list[dict[str, Any]]:
     """The agent's action records, in order, from its timeline."""
     timeline = node.root / "var/lib/nodeagent/timeline.jsonl"
@@ -92,95 +76,97 @@ def openibd_restart(node: Node) -> None:
             node.kernel.modprobe(m, node.mofed_moddir)
 
 
-def test_flag_loads_blacklist_unloads(node: Node) -> None:
-    agent = RunningAgent(node)
+def test_flag_loads_blacklist_unloads(booting_node: Node) -> None:
+    agent = RunningAgent(booting_node)
     try:
-        assert not peermem_live(node)
-        assert not (node.root / GATE).exists()
-        node.write(READY)  # MOFED: "Setting driver ready state"
-        until(lambda: peermem_live(node), "nvidia_peermem loaded after the ready flag")
-        until(lambda: (node.root / GATE).exists(), "gate file published")
-        node.write_blacklist()  # MOFED: openibd restart begins
-        until(lambda: not peermem_live(node), "nvidia_peermem unloaded on the blacklist")
-        until(lambda: not (node.root / GATE).exists(), "gate file withdrawn")
+        assert not peermem_live(booting_node)
+        assert not (booting_node.root / GATE).exists()
+        booting_node.write(READY)  # MOFED: "Setting driver ready state"
+        until(lambda: peermem_live(booting_node), "nvidia_peermem loaded after the ready flag")
+        until(lambda: (booting_node.root / GATE).exists(), "gate file published")
+        booting_node.write_blacklist()  # MOFED: openibd restart begins
+        until(lambda: not peermem_live(booting_node), "nvidia_peermem unloaded on the blacklist")
+        until(lambda: not (booting_node.root / GATE).exists(), "gate file withdrawn")
         # A worker's outcome is recorded by the pass that absorbs it, just after.
-        until(lambda: len(action_records(node)) >= 2, "the unload recorded")
-        actions = [(r["action"], r["ok"]) for r in action_records(node)]
+        until(lambda: len(action_records(booting_node)) >= 2, "the unload recorded")
+        actions = [(r["action"], r["ok"]) for r in action_records(booting_node)]
         assert actions[0][0].startswith("load nvidia_peermem from run/nvidia/driver/")
         assert actions == [(actions[0][0], True), ("unload nvidia_peermem", True)]
     finally:
         agent.stop()
 
 
-def test_agent_restarted_mid_restart_converges(node: Node) -> None:
+def test_agent_restarted_mid_restart_converges(booting_node: Node) -> None:
     """Stopped while MOFED restarts; the stack reloads behind its back; the flag is stale."""
-    agent = RunningAgent(node)
-    node.write(READY)
-    until(lambda: peermem_live(node), "first load")
-    node.write_blacklist()
-    until(lambda: not peermem_live(node), "unload on restart")
+    agent = RunningAgent(booting_node)
+    booting_node.write(READY)
+    until(lambda: peermem_live(booting_node), "first load")
+    booting_node.write_blacklist()
+    until(lambda: not peermem_live(booting_node), "unload on restart")
     agent.stop()
 
     # While the agent is down, openibd restart finishes; MOFED removes the blacklist
     # but has not re-created the ready flag yet: the old flag is stale.
-    openibd_restart(node)
-    node.remove(BLACKLIST)
+    openibd_restart(booting_node)
+    booting_node.remove(BLACKLIST)
 
-    agent = RunningAgent(node)
+    agent = RunningAgent(booting_node)
     try:
         agent.settle()
-        assert not peermem_live(node), "a stale flag must not open the gate after a restart"
-        status = json.loads((node.root / "run/nodeagent/status.json").read_text())
+        assert not peermem_live(booting_node), "a stale flag must not open the gate after a restart"
+        status = json.loads((booting_node.root / "run/nodeagent/status.json").read_text())
         assert status["guards"]["peermem"]["verdict"] == "closed"
         assert any("stale" in r for r in status["guards"]["peermem"]["reasons"])
-        node.write(READY)  # MOFED re-creates the flag at the end
-        until(lambda: peermem_live(node), "load after the fresh flag")
-        until(lambda: (node.root / GATE).exists(), "gate published")
+        booting_node.write(READY)  # MOFED re-creates the flag at the end
+        until(lambda: peermem_live(booting_node), "load after the fresh flag")
+        until(lambda: (booting_node.root / GATE).exists(), "gate published")
     finally:
         agent.stop()
 
 
-def test_agent_restarted_with_peermem_loaded_changes_nothing(node: Node) -> None:
-    agent = RunningAgent(node)
-    node.write(READY)
-    until(lambda: peermem_live(node), "load")
+def test_agent_restarted_with_peermem_loaded_changes_nothing(booting_node: Node) -> None:
+    agent = RunningAgent(booting_node)
+    booting_node.write(READY)
+    until(lambda: peermem_live(booting_node), "load")
     agent.stop()
-    agent = RunningAgent(node)
+    agent = RunningAgent(booting_node)
     try:
         agent.settle()
-        assert peermem_live(node)
-        assert (node.root / GATE).exists()
-        assert len(action_records(node)) == 1, "the restarted agent must not load or unload again"
+        assert peermem_live(booting_node)
+        assert (booting_node.root / GATE).exists()
+        assert len(action_records(booting_node)) == 1, (
+            "the restarted agent must not load or unload again"
+        )
     finally:
         agent.stop()
 
 
-def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
+def test_abi_preflight_keeps_a_mismatched_peermem_out(booting_node: Node) -> None:
     """peermem built against other ib_core headers: the gate stays closed, nothing is tried.
 
     Without the preflight this is seed 001's EINVAL (the simulator's kernel refuses
     such a module with the real 'disagrees about version of symbol' lines).
     """
-    node.install(
+    booting_node.install(
         NVIDIA,
         GPU_MODULES,
         "gpu",
-        against={s: c ^ 0xFFFF for s, c in (node.headers() or {}).items()},
+        against={s: c ^ 0xFFFF for s, c in (booting_node.headers() or {}).items()},
     )
-    agent = RunningAgent(node)
+    agent = RunningAgent(booting_node)
     try:
-        node.write(READY)
+        booting_node.write(READY)
         until(
             lambda: (
                 "MOFED ready flag run/mellanox/drivers/.driver-ready is absent"
-                not in json.loads((node.root / "run/nodeagent/status.json").read_text())["guards"][
-                    "peermem"
-                ]["reasons"]
+                not in json.loads((booting_node.root / "run/nodeagent/status.json").read_text())[
+                    "guards"
+                ]["peermem"]["reasons"]
             ),
             "a pass after the flag",
         )
         agent.settle()
-        status = json.loads((node.root / "run/nodeagent/status.json").read_text())
+        status = json.loads((booting_node.root / "run/nodeagent/status.json").read_text())
         reasons = status["guards"]["peermem"]["reasons"]
         assert status["guards"]["peermem"]["verdict"] == "rebuild", reasons  # gpu-operator#2868
         assert "recreate the GPU driver pod" in reasons[0]
@@ -189,8 +175,8 @@ def test_abi_preflight_keeps_a_mismatched_peermem_out(node: Node) -> None:
             and "but the loaded ib_core exports 0x" in r
             for r in reasons
         ), reasons
-        assert action_records(node) == []
-        assert not peermem_live(node)
+        assert action_records(booting_node) == []
+        assert not peermem_live(booting_node)
     finally:
         agent.stop()
 
@@ -219,35 +205,35 @@ def one_pass_agent(node: Node, ops: object, mode: str = "enforce") -> Agent:
     return Agent(cfg, module_ops=ops, kernel_log=node.kernel.kernel_messages)  # type: ignore[arg-type]
 
 
-def test_crash_mid_action_keeps_what_the_pass_learned(node: Node) -> None:
+def test_crash_mid_action_keeps_what_the_pass_learned(booting_node: Node) -> None:
     """The restart is persisted by the pass that starts the unload: an agent that dies in the
     unload cannot take the old flag for a fresh one."""
-    node.write(READY)
-    one_pass_agent(node, node.kernel).run_once()
-    assert peermem_live(node)
-    with node.sched.world:  # openibd restart begins: mlx5_core leaves (flag still there)
-        node.kernel.remove("mlx5_ib")
-        node.kernel.remove("mlx5_core")
-    dying = _CrashingKernel(node)
+    booting_node.write(READY)
+    one_pass_agent(booting_node, booting_node.kernel).run_once()
+    assert peermem_live(booting_node)
+    with booting_node.sched.world:  # openibd restart begins: mlx5_core leaves (flag still there)
+        booting_node.kernel.remove("mlx5_ib")
+        booting_node.kernel.remove("mlx5_core")
+    dying = _CrashingKernel(booting_node)
     # The pass starts the unload (urgent: before its memory write) and the agent dies in it;
     # the pass itself does not wait on the unload, so what it learned is on disk.
-    one_pass_agent(node, dying).run_pass()
+    one_pass_agent(booting_node, dying).run_pass()
     dying.hung.set()
-    with node.sched.world:  # the stack comes back while the agent is down; same old flag
+    with booting_node.sched.world:  # the stack comes back while the agent is down; same old flag
         for m in ("mlx5_core", "mlx5_ib"):
-            node.kernel.modprobe(m, node.mofed_moddir)
-    result = one_pass_agent(node, node.kernel).run_pass()
+            booting_node.kernel.modprobe(m, booting_node.mofed_moddir)
+    result = one_pass_agent(booting_node, booting_node.kernel).run_pass()
     verdict = result.verdicts["peermem"]
     assert verdict.verdict == "closed"
     assert any("stale" in r for r in verdict.reasons), verdict.reasons
 
 
-def test_observe_mode_records_an_undone_action_once(node: Node) -> None:
-    node.write(READY)
-    agent = one_pass_agent(node, node.kernel, mode="observe")
+def test_observe_mode_records_an_undone_action_once(booting_node: Node) -> None:
+    booting_node.write(READY)
+    agent = one_pass_agent(booting_node, booting_node.kernel, mode="observe")
     for _ in range(5):
         agent.run_pass()
-    assert not peermem_live(node), "observe mode must not load"
-    assert [(a["action"].split(" from ")[0], a["performed"]) for a in action_records(node)] == [
-        ("load nvidia_peermem", False)
-    ]
+    assert not peermem_live(booting_node), "observe mode must not load"
+    assert [
+        (a["action"].split(" from ")[0], a["performed"]) for a in action_records(booting_node)
+    ] == [("load nvidia_peermem", False)]

@@ -30,8 +30,8 @@ from nodeagent.journal import (
     message_id,
 )
 from nodeagent.sim.node import READY, Node
+from tests.healthy import healthy_node
 from tests.journald import PrivateJournald, SetupError, private_journald
-from tests.test_integration import build_node
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 
@@ -181,7 +181,7 @@ def journald_node() -> Iterator[tuple[PrivateJournald, Node]]:
     # A short host root: the socket path must fit a unix socket address (108 bytes)
     # once prefixed with /proc/<pid>/root.
     with tempfile.TemporaryDirectory(prefix="na-j") as tmp:
-        node = build_node(Path(tmp))
+        node = healthy_node(Path(tmp), ready=False)
         try:
             with private_journald(node.root) as jd:
                 yield jd, node

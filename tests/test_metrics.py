@@ -17,23 +17,22 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nodeagent.agent import PassResult, build_reconciler
+from nodeagent.agent import build_reconciler
 from nodeagent.cli import main
 from nodeagent.config import Config, load_config
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.guard import Verdict
-from nodeagent.core.snapshot import NodeSnapshot
 from nodeagent.core.telemetry import MetricFamily, RecordTelemetry, Sample
 from nodeagent.errors import NodeagentError
 from nodeagent.metrics import MetricsExporter, wake_source
 from nodeagent.metrics_server import MetricsServer
 from nodeagent.sim.node import READY, Node
-from tests.test_integration import node  # noqa: F401  (the node fixture)
+from tests.metrics_scrape import Series, exporter_series, pass_result, value
 from tests.waiting import WAIT, until
 
 # name -> type, as Prometheus sees them (counters without the _total suffix).
@@ -74,9 +73,6 @@ def get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
 def scrape(base: str) -> tuple[dict[str, str], Series]:
     status, text = get(base + "/metrics")
     assert status == 200
@@ -89,12 +85,8 @@ def scrape(base: str) -> tuple[dict[str, str], Series]:
     return types, series
 
 
-def value(series: Series, name: str, **labels: str) -> float | None:
-    return series.get((name, tuple(sorted(labels.items()))))
-
-
 @pytest.fixture
-def running(node: Node, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:  # noqa: F811
+def running(booting_node: Node, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
     cfg = tmp_path / "agent.toml"
     cfg.write_text("uevents = false\nresync_seconds = 30\n")
@@ -105,7 +97,7 @@ def running(node: Node, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[
             "nodeagent",
             "run",
             "--host-root",
-            str(node.root),
+            str(booting_node.root),
             "--config",
             str(cfg),
             "--metrics-address",
@@ -125,7 +117,7 @@ def running(node: Node, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[
 
 
 def test_run_serves_metrics_and_the_gate_series_follow_the_ready_flag(
-    node: Node,  # noqa: F811
+    booting_node: Node,
     running: tuple[str, subprocess.Popen[str]],
 ) -> None:
     base, proc = running
@@ -145,7 +137,7 @@ def test_run_serves_metrics_and_the_gate_series_follow_the_ready_flag(
     assert value(series, "nodeagent_peermem_mofed_ready") == 0
     assert value(series, "nodeagent_wakeups_total", source="start") == 1
 
-    (node.root / READY).write_text("")
+    (booting_node.root / READY).write_text("")
 
     def gate_open() -> bool:
         return value(scrape(base)[1], "nodeagent_guard_ok", guard="peermem") == 1
@@ -207,28 +199,6 @@ class TrafficLight:
 
 def verdict(guard: str, word: str, ok: bool) -> Verdict:
     return Verdict(guard=guard, verdict=word, ok=ok, reasons=())
-
-
-def pass_result(
-    verdicts: Mapping[str, Any], outcomes: Sequence[ActionOutcome], woken_by: Sequence[str]
-) -> PassResult:
-    return PassResult(
-        cast(NodeSnapshot, None),  # the exporter reads no snapshot
-        dict(verdicts),
-        tuple(outcomes),
-        None,
-        woken_by=tuple(woken_by),
-        started=100.0,
-    )
-
-
-def exporter_series(exp: MetricsExporter) -> Series:
-    body, _ = exp.scrape(None)
-    out: Series = {}
-    for fam in text_string_to_metric_families(body.decode()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def test_a_guard_brings_its_own_words_and_families() -> None:

@@ -13,7 +13,7 @@ from tests.healthy import healthy_node
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
+def ready_node(tmp_path: Path) -> Iterator[Node]:
     """A healthy simulated node on ``tmp_path`` (MOFED ready, the GPU stack validated);
     its uevent source closed after the test, after the test's own cleanup."""
     n = healthy_node(tmp_path)

@@ -137,13 +137,13 @@ def test_absurd_leases_and_other_boots_read_closed(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def running(tmp_path: Path, node: Node) -> Iterator[tuple[Path, object]]:
+def running(tmp_path: Path, ready_node: Node) -> Iterator[tuple[Path, object]]:
     """The real agent loop (enforce, real inotify) on a healthy node whose gate is open."""
     from nodeagent.agent import Agent
     from nodeagent.config import Config
 
     cfg = Config(host_root=str(tmp_path), mode="enforce", uevents=False, resync_seconds=3600)
-    agent = Agent(cfg, module_ops=node.kernel, kernel_log=lambda m: [])
+    agent = Agent(cfg, module_ops=ready_node.kernel, kernel_log=lambda m: [])
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     gates = GateFiles(HostRoot(tmp_path), "run/nodeagent")
@@ -268,7 +268,9 @@ def _all_stopped(pid: int) -> bool:
     return bool(stats) and all(x.rsplit(")", 1)[1].split()[0] == "T" for x in stats)
 
 
-def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(tmp_path: Path, node: Node) -> None:
+def test_a_stopped_agent_stops_renewing_and_wait_answers_closed(
+    tmp_path: Path, ready_node: Node
+) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", AGENT, str(tmp_path)],
         stdout=subprocess.DEVNULL,
@@ -328,7 +330,7 @@ def test_the_agents_clock_ignores_wall_clock_steps() -> None:
 
 @pytest.mark.parametrize("step", [-3600.0, 3600.0])
 def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
-    tmp_path: Path, node: Node, step: float
+    tmp_path: Path, ready_node: Node, step: float
 ) -> None:
     from nodeagent.agent import Agent, SteadyClock
     from nodeagent.config import Config
@@ -337,7 +339,7 @@ def test_a_wall_clock_step_stops_neither_the_resync_nor_the_lease(
     cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=0.3)
     agent = Agent(
         cfg,
-        module_ops=node.kernel,
+        module_ops=ready_node.kernel,
         kernel_log=lambda m: [],
         clock=SteadyClock(wall=lambda: time.time() + offset[0]),
     )

@@ -20,12 +20,12 @@ from nodeagent.sim.node import Node
 
 
 def test_a_pass_writes_its_records_in_one_append_before_its_status(
-    tmp_path: Path, node: Node
+    tmp_path: Path, ready_node: Node
 ) -> None:
     seen: list[str] = []
     agent = Agent(
         Config(host_root=str(tmp_path), mode="enforce", uevents=False),
-        module_ops=node.kernel,
+        module_ops=ready_node.kernel,
         kernel_log=lambda m: [],
         on_record=lambda r: seen.append(str(r.get("kind"))),
     )
@@ -73,14 +73,14 @@ def test_a_pass_writes_its_records_in_one_append_before_its_status(
 
 def test_the_gate_is_published_before_the_reports_and_taken_back_when_status_fails(
     tmp_path: Path,
-    node: Node,
+    ready_node: Node,
 ) -> None:
     """Rule 5 and 8 of loop/passes.py: an open gate waits for its observation, decision
     and memory, not for records, status or the other plans; a status that cannot be
     written takes the gate back before the pass ends."""
     agent = Agent(
         Config(host_root=str(tmp_path), mode="enforce", uevents=False),
-        module_ops=node.kernel,
+        module_ops=ready_node.kernel,
         kernel_log=lambda m: [],
     )
     order: list[str] = []
@@ -119,7 +119,7 @@ def test_the_gate_is_published_before_the_reports_and_taken_back_when_status_fai
         status = tmp_path / "run/nodeagent/status.json"
         status.unlink()
         status.mkdir()
-        node.write("run/mellanox/drivers/.driver-ready")  # an event: a new decision
+        ready_node.write("run/mellanox/drivers/.driver-ready")  # an event: a new decision
         order.clear()
         agent.run_pass(["property"])
         assert "gate peermem" in order, order

@@ -63,14 +63,14 @@ def test_the_resync_is_rescheduled_once_it_came_due() -> None:
 
 
 def test_an_idle_agent_with_a_gate_open_beats_and_makes_no_pass(
-    tmp_path: Path, node: Node, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, ready_node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Idle with the peermem gate open: the loop renews the gate's lease every RENEW_S
     (here shortened) and makes no pass until an event or the resync (an hour): a waker's
     timeout is a timeout, not a reason for a pass (issue 50: every beat was a full pass)."""
     monkeypatch.setattr(passes_module, "RENEW_S", 0.02)
     cfg = Config(host_root=str(tmp_path), mode="observe", uevents=False, resync_seconds=3600)
-    agent = Agent(cfg, module_ops=node.kernel, pass_context=lambda: node.sched.world)
+    agent = Agent(cfg, module_ops=ready_node.kernel, pass_context=lambda: ready_node.sched.world)
     gates = GateFiles(HostRoot(tmp_path), cfg.paths.state_dir)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()

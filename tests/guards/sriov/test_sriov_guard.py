@@ -21,41 +21,8 @@ from nodeagent.core.sriov_model import (
     snapshot_from_json,
     snapshot_to_json,
 )
-from tests.guards.sriov.sriov_world import PF_PCI, READ_FAILURES, World, wanted
+from tests.guards.sriov.sriov_world import PF_PCI, POLICY, READ_FAILURES, Run, World, wanted
 from tests.waiting import WAIT
-
-POLICY = SriovPolicy(numvfs_grace_s=30, vf_deadline_s=60, poll_s=2, retry_base_s=0.5)
-
-
-class Run:
-    """Drive the guard over a World: a pass decides, actions are performed and absorbed."""
-
-    def __init__(self, world: World, policy: SriovPolicy = POLICY) -> None:
-        self.world = world
-        self.guard = SriovGuard(policy)
-        self.memory = self.guard.initial_memory()
-        self.events: list[str] = []
-        self.actions: list[object] = []
-        self.wake_at: float | None = None
-        self.snap: NodeSnapshot | None = None
-
-    def step(self, now: float) -> None:
-        self.snap = self.world.observe(now)
-        d = self.guard.decide(self.snap, self.memory)
-        self.memory = d.memory
-        self.events += d.events
-        self.wake_at = d.wake_at
-        for a in d.actions:
-            self.actions.append(a)
-            self.memory = self.guard.absorb(self.memory, self.world.perform(a), now)
-
-    def phase(self) -> str:
-        return self.memory.pfs[PF_PCI].phase
-
-    def verdict(self) -> dict[str, object]:
-        assert self.snap is not None
-        v = self.guard.verdict(self.snap, self.memory)
-        return {"verdict": v.verdict, "ok": v.ok, "reasons": v.reasons, **v.evidence}
 
 
 def stable_then_unloaded(n: int = 4, policy: SriovPolicy = POLICY) -> Run:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from nodeagent.core.actions import ActionOutcome, RestoreVf
 from nodeagent.metrics import MetricsExporter
-from tests.guards.sriov.sriov_world import PF_PCI, World
-from tests.guards.sriov.test_sriov_guard import POLICY, Run
-from tests.test_metrics import exporter_series, pass_result, value
+from tests.guards.sriov.sriov_world import PF_PCI, POLICY, Run, World
+from tests.metrics_scrape import exporter_series, pass_result, value
 
 
 def test_phases_vf_counts_and_restore_outcomes_per_pf() -> None:
