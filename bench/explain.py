@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repo's tests/ (the bundle bench reads the test's bundle)
 
-from tests.explain.test_explain_bundles import many_nodes, tar, write  # noqa: E402
+from tests.explain.bundles import many_nodes, tar, write  # noqa: E402
 
 LINES = [
     b"Nov 21 11:50:%02d gpu-1 kubelet[2121]: I1121 11:50:00.000000 2121 kubelet.go:2415] "

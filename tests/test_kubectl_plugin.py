@@ -102,7 +102,7 @@ def test_bad_names_are_refused_before_kubectl_is_called(tmp_path: Path, args: li
 
 def test_explain_reads_a_bundle_here_with_no_kubectl(tmp_path: Path) -> None:
     """A must-gather saved on a laptop: the driver pod's log names the race, no cluster."""
-    from tests.explain.test_explain_bundles import by_node, gpu_must_gather, tar, write
+    from tests.explain.bundles import by_node, gpu_must_gather, tar, write
 
     bundle = tar(write(tmp_path / "must-gather", gpu_must_gather()), tmp_path / "mg.tar.gz")
     result, calls = plugin(tmp_path, "explain", str(bundle), "--", "--json")

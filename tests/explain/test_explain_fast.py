@@ -16,7 +16,7 @@ from nodeagent.explain import forms as explain
 from nodeagent.explain import matcher
 from nodeagent.explain.forms import Signature, superset
 from nodeagent.explain.signatures import SIGNATURES
-from tests.explain import test_explain_words as words
+from tests.explain import corpus as words
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 
