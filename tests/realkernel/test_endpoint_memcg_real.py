@@ -36,8 +36,8 @@ import yaml
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.gatefile import GateFiles
 from nodeagent.sim.node import GATE
+from tests.endpoint_flood import FAT_LINE, FAT_LINES, Flood, free_port, get, scraped
 from tests.healthy import healthy_node
-from tests.test_endpoint_bounds import FAT_LINE, FAT_LINES, Flood, free_port, get, scraped
 from tests.waiting import until
 
 pytestmark = pytest.mark.realkernel

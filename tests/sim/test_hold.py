@@ -22,7 +22,7 @@ from nodeagent.sim.modes import MODES
 from nodeagent.sim.modtree import RDMA_MODULES, depmod, install_generation
 from nodeagent.sim.render import to_json
 from nodeagent.sim.scenarios import SCENARIOS, RunResult, run_scenario
-from tests.sim.test_kernel import KVER, OLD, gpu_tree, moddir
+from tests.sim.trees import KVER, OLD, gpu_tree, moddir
 
 # -- the contract ----------------------------------------------------------------
 

@@ -18,25 +18,11 @@ from nodeagent.host.observe import Observer
 from nodeagent.sim.clock import Scheduler
 from nodeagent.sim.kernel import SimKernel, VfConfig, build_id_note
 from nodeagent.sim.modtree import (
-    GPU_MODULES,
-    PEER_MEMORY_API,
     RDMA_MODULES,
-    Generation,
-    crc_of,
     depmod,
     install_generation,
 )
-
-KVER = "6.1.0-sim"
-OLD = Generation("old", "MOFED old", "24.10", abi_overrides=dict.fromkeys(PEER_MEMORY_API, "pm1"))
-NEW = Generation(
-    "new", "MOFED new", "25.07", abi_overrides=dict.fromkeys(PEER_MEMORY_API, "pm2"), layout="extra"
-)
-NV = Generation("nv", "NVIDIA", "580")
-
-
-def moddir(root: Path, where: str = "") -> Path:
-    return root / where / "lib/modules" / KVER
+from tests.sim.trees import KVER, NEW, OLD, gpu_tree, moddir
 
 
 @pytest.fixture
@@ -52,15 +38,6 @@ def ko(k: SimKernel, name: str, where: str = "") -> str:
     hits = [p for p in d.rglob("*.ko*") if read_module_file(p).name == name]
     assert len(hits) == 1, hits
     return str(hits[0])
-
-
-def gpu_tree(k: SimKernel, built_against: Generation) -> Path:
-    """nvidia + nvidia_peermem built against ``built_against``'s ib_core headers."""
-    headers = {s: crc_of(s, built_against.tag(s)) for s in PEER_MEMORY_API}
-    d = moddir(k.root, "run/nvidia/driver")
-    install_generation(d, KVER, NV, GPU_MODULES, against=headers)
-    depmod(d)
-    return d
 
 
 def sysmod(k: SimKernel, name: str) -> Path:
