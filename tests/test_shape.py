@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 CORE = Path(__file__).resolve().parent.parent / "nodeagent" / "core"
 # Anything that could read a file, a clock, a socket or a process from the core.
 FORBIDDEN = (
@@ -46,15 +48,26 @@ EXPLAIN = CORE.parent / "explain"
 EXPLAIN_READERS = ("walk.py", "files.py")
 
 
-# A wing's pure files (what it tells and its series, from records): held to core's ban.
-WING_PURE = ("guards/peermem/telemetry.py", "guards/peermem/reports.py")
+def declared_pure(wing: Path) -> list[Path]:
+    """The files a wing's ``__init__.py`` declares pure (``PURE_FILES``, a tuple of file
+    names; none if it declares nothing), each asserted to exist."""
+    for node in ast.parse((wing / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [
+            "PURE_FILES"
+        ]:
+            files = [wing / name for name in ast.literal_eval(node.value)]
+            missing = [str(f) for f in files if not f.is_file()]
+            assert not missing, f"{wing.name} declares pure files it does not have: {missing}"
+            return files
+    return []
 
 
 def pure_files() -> list[Path]:
-    """core/, explain's matcher, tables and rules, and the wings' pure files: held to one
-    import ban."""
+    """core/, explain's matcher, tables and rules, and the files each wing declares pure:
+    held to one import ban."""
     explain = [f for f in EXPLAIN.glob("*.py") if f.name not in EXPLAIN_READERS]
-    wings = [CORE.parent / f for f in WING_PURE]
+    guards = CORE.parent / "guards"
+    wings = [f for d in sorted(guards.iterdir()) if d.is_dir() for f in declared_pure(d)]
     return sorted(CORE.glob("*.py")) + sorted(explain) + wings
 
 
@@ -65,6 +78,18 @@ def impure_imports(path: Path) -> list[str]:
         for name in imports(path)
         if any(name == x or name.startswith(x + ".") for x in FORBIDDEN)
     ]
+
+
+def test_a_wing_declares_its_pure_files(tmp_path: Path) -> None:
+    peermem = CORE.parent / "guards" / "peermem"
+    assert [f.name for f in declared_pure(peermem)] == ["telemetry.py", "reports.py"]
+    assert peermem / "telemetry.py" in pure_files()
+    (tmp_path / "__init__.py").write_text('"""a wing"""\nPURE_FILES = ("here.py", "gone.py")\n')
+    (tmp_path / "here.py").write_text("import os\n")
+    with pytest.raises(AssertionError, match=r"gone\.py"):
+        declared_pure(tmp_path)
+    (tmp_path / "__init__.py").write_text('PURE_FILES = ("here.py",)\n')
+    assert impure_imports(declared_pure(tmp_path)[0]) == ["os"]  # and the ban sees it
 
 
 def test_core_imports_nothing_that_does_io() -> None:
@@ -428,3 +453,55 @@ def test_the_loop_imports_without_the_exporters_libraries() -> None:
 def test_the_import_check_sees_a_library_imported() -> None:
     p = import_without("nodeagent.metrics", "prometheus_client", "psutil")
     assert p.returncode == 1 and "is not importable here" in p.stderr
+
+
+# -- the tests mirror the code ---------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def borrowed_from_test_files(path: Path, root: Path = TESTS) -> list[str]:
+    """What ``path`` takes from a test file (``test_*.py``) but its tests: a test file
+    shares nothing else. What files share is a helper module or a folder's conftest.py;
+    a test imported to run again elsewhere (the real-kernel suite does) is allowed."""
+    package = ["tests", *path.relative_to(root).parent.parts]
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.split(".")[-1].startswith("test_")]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            folder = root.joinpath(*module[1:])
+            for a in node.names:
+                a_test = a.name.startswith("test_")
+                helper = module[-1].startswith("test_") and not a_test
+                whole_file = a_test and (folder / f"{a.name}.py").is_file()
+                if helper or whole_file:
+                    bad.append(f"{'.'.join(module)}.{a.name}")
+    return bad
+
+
+def test_no_test_file_lends_its_helpers() -> None:
+    files = sorted(TESTS.rglob("*.py"))
+    assert len(files) > 100
+    lent = {str(f.relative_to(TESTS)): b for f in files if (b := borrowed_from_test_files(f))}
+    assert lent == {}
+
+
+def test_the_lending_check_finds_each_way_of_borrowing(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "test_a.py").write_text("def helper(): ...\ndef test_x(): ...\n")
+    borrower = tmp_path / "sub" / "test_b.py"
+    borrower.write_text(
+        "from tests.sub.test_a import helper, test_x\n"  # helper: no; a test to rerun: yes
+        "from .test_a import helper as h\n"
+        "from tests.sub import test_a\n"
+        "import tests.sub.test_a\n"
+    )
+    assert borrowed_from_test_files(borrower, tmp_path) == [
+        "tests.sub.test_a.helper",
+        "tests.sub.test_a.helper",
+        "tests.sub.test_a",
+        "tests.sub.test_a",
+    ]

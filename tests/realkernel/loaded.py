@@ -1,8 +1,11 @@
-"""What the guest's kernel has loaded, read the ways the real-kernel tests need it: written
-once here (each test file had its own ``_loaded``, with four return types)."""
+"""The guest's kernel as the real-kernel tests read it, written once here: what it has
+loaded (each test file had its own ``_loaded``, with four return types), a module's
+version, its module directory, its log; and the unload of what a test loaded."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 from nodeagent.config import Config
@@ -45,3 +48,27 @@ def observed_names() -> set[str]:
     mods, problems = Observer(HostRoot("/"), Config()).read_loaded_modules()
     assert problems == []
     return set(mods)
+
+
+def version(name: str) -> str:
+    """A loaded module's ``version`` (its MODULE_VERSION)."""
+    return Path(f"/sys/module/{name}/version").read_text().strip()
+
+
+def unload(*modules: str) -> None:
+    """``rmmod`` each of ``modules`` that is loaded, in the order given (users first); one
+    that will not go is left for the next test's check to name."""
+    for name in modules:
+        if is_loaded(name):
+            subprocess.run(["rmmod", name], check=False)
+
+
+def moddir() -> str:
+    """The running kernel's module directory."""
+    return f"/usr/lib/modules/{os.uname().release}"
+
+
+def kernel_lines(since: int) -> list[str]:
+    """The kernel's log lines after the first ``since`` (``dmesg``: its own words)."""
+    out = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()[since:]

@@ -29,7 +29,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError
 from nodeagent.host.modfile import read_module_file
 from nodeagent.host.observe import disk_module
-from tests.realkernel.loaded import observed as _loaded
+from tests.realkernel.loaded import observed
 from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
@@ -116,7 +116,7 @@ def test_abi_preflight_predicts_the_kernels_refusal(
 
     lk.insert_file(str(v2_ko), [])
     try:
-        loaded = _loaded(PROVIDER)
+        loaded = observed(PROVIDER)
         reasons, evidence = abi_mismatches(disk_module(cons), {PROVIDER: (loaded, disk_module(v2))})
         assert reasons == [
             f"{CONSUMER} needs {SYM} CRC {crc1:#010x} "
@@ -143,7 +143,7 @@ def test_abi_preflight_predicts_the_kernels_refusal(
 
     lk.insert_file(str(v1_ko), [])
     try:
-        loaded = _loaded(PROVIDER)
+        loaded = observed(PROVIDER)
         reasons, evidence = abi_mismatches(disk_module(cons), {PROVIDER: (loaded, disk_module(v1))})
         assert (reasons, evidence) == (
             [],
@@ -151,7 +151,7 @@ def test_abi_preflight_predicts_the_kernels_refusal(
         )
         out = act.perform(load)
         assert (out.ok, out.errno, out.kernel_messages) == (True, None, ()), out
-        assert _loaded(PROVIDER).holders == (CONSUMER,)
+        assert observed(PROVIDER).holders == (CONSUMER,)
         lk.remove(CONSUMER)
     finally:
         with contextlib.suppress(ModuleOpError):

@@ -34,7 +34,7 @@ from nodeagent.core.hold import DRIVER_CONTAINER_RULES
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.guards.peermem.roots import RootScanner
 from nodeagent.host.fanotify import FanotifyGroup
-from tests.realkernel.loaded import is_loaded as _loaded
+from tests.realkernel.loaded import is_loaded, unload, version
 from tests.realkernel.modbuild import KModule, symbol_provider, symbol_user
 
 from .. import containerroot, waiting
@@ -58,16 +58,6 @@ read go || exit 0
 echo $? > /tmp/modprobe-rc
 read x
 """
-
-
-def _version(name: str) -> str:
-    return Path(f"/sys/module/{name}/version").read_text().strip()
-
-
-def _unload() -> None:
-    for name in (PEER.name, INBOX.name):
-        if _loaded(name):
-            subprocess.run(["rmmod", name], check=False)
 
 
 def until(pred: Callable[[], object], what: str) -> None:
@@ -112,7 +102,7 @@ def rig(built_modules: Callable[[KModule], Path], tmp_path: Path) -> Iterator[Ri
     )
     mofed_ko = tmp_path / "mofed-ib_core.ko"
     shutil.copy(built_modules(MOFED), mofed_ko)
-    _unload()
+    unload(PEER.name, INBOX.name)
     group = FanotifyGroup()
     gate = threading.Event()
     responder = Responder(group, gate_open=gate.is_set, budget_s=60.0)
@@ -130,7 +120,7 @@ def rig(built_modules: Callable[[KModule], Path], tmp_path: Path) -> Iterator[Ri
         responder.stop()
         for c in r.containers:
             c.stop()
-        _unload()
+        unload(PEER.name, INBOX.name)
         subprocess.run(["umount", "-R", "-l", str(top)], capture_output=True)
 
 
@@ -163,20 +153,20 @@ def _one_start(rig: Rig, n: int) -> None:
     scans = rig.scanner.scans
     until(lambda: rig.scanner.scans >= scans + 3, f"start {n}: the scanner stopped")
     assert rig.responder.held()
-    assert not _loaded(INBOX.name) and not _loaded(PEER.name) and _rc(c) is None
+    assert not is_loaded(INBOX.name) and not is_loaded(PEER.name) and _rc(c) is None
     # MOFED comes up with its own build of the module, then the gate opens.
     subprocess.run(["insmod", str(rig.mofed_ko)], check=True)
     rig.gate.set()
     rig.responder.wake()
     until(lambda: _rc(c) is not None, f"start {n}: the held modprobe never finished")
     assert _rc(c) == "0"
-    assert _loaded(PEER.name)
-    assert _version(INBOX.name) == "mofed", "the inbox dependency was inserted"
+    assert is_loaded(PEER.name)
+    assert version(INBOX.name) == "mofed", "the inbox dependency was inserted"
     assert all(r.ended == "gate opened" for r in rig.responder.reports)
     c.stop()
     until(lambda: not rig.scanner.roots(), f"start {n}: its root is still listed")
     assert root.dev not in rig.group.marked_devices()
-    _unload()
+    unload(PEER.name, INBOX.name)
 
 
 def test_each_start_is_marked_before_its_own_modprobe_which_waits_for_the_gate(rig: Rig) -> None:
@@ -193,7 +183,7 @@ def test_without_the_dependency_hold_the_inbox_module_goes_in_first(rig: Rig) ->
     c = rig.start()
     c.send("go")  # the install is done: on to its modprobe
     until(lambda: _rc(c) is not None, "the unmarked container's modprobe did not finish")
-    assert _rc(c) == "0" and _version(INBOX.name) == "inbox"
+    assert _rc(c) == "0" and version(INBOX.name) == "inbox"
     assert rig.responder.counts["held"] == 0
 
 

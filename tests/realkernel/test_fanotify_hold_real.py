@@ -26,7 +26,7 @@ import pytest
 
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.host.fanotify import FanotifyGroup
-from tests.realkernel.loaded import is_loaded as _loaded
+from tests.realkernel.loaded import is_loaded, unload
 from tests.realkernel.modbuild import KModule, symbol_provider, symbol_user
 
 from .. import waiting
@@ -49,12 +49,6 @@ class Root:
 def _copy_in(lower: str, path: str) -> None:
     os.makedirs(lower + os.path.dirname(path), exist_ok=True)
     shutil.copy(path, lower + path)
-
-
-def _unload() -> None:
-    for name in (PEER.name, PROV.name):
-        if _loaded(name):
-            subprocess.run(["rmmod", name], check=False)
 
 
 @pytest.fixture
@@ -91,11 +85,11 @@ def root(built_modules: Callable[[KModule], Path]) -> Iterator[Root]:
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, merged], check=True)
     subprocess.run(["chroot", merged, "/usr/sbin/depmod", kver], check=True)
     subprocess.run(["mount", "--rbind", merged, bind], check=True)  # like /run/nvidia/driver
-    _unload()
+    unload(PEER.name, PROV.name)
     try:
         yield Root(merged, bind, kver)
     finally:
-        _unload()
+        unload(PEER.name, PROV.name)
         subprocess.run(["umount", "-R", "-l", top], capture_output=True)
 
 
@@ -132,7 +126,7 @@ def test_modprobe_in_the_container_is_held_until_the_gate_opens(
         assert pid == proc.pid or opener in ("modprobe", "kmod"), (pid, opener)
         assert os.path.basename(path) == "nvidia-peermem.ko"
         # Its dependency went through first; the peermem-like module is not in.
-        assert _loaded(PROV.name) and not _loaded(PEER.name)
+        assert is_loaded(PROV.name) and not is_loaded(PEER.name)
         # Readers of the same file, and depmod, are not held.
         rel = f"/lib/modules/{root.kver}/kernel/drivers/video/nvidia-peermem.ko"
         for argv in (
@@ -148,7 +142,7 @@ def test_modprobe_in_the_container_is_held_until_the_gate_opens(
         assert proc.wait(WAIT) == 0
     finally:
         proc.kill()
-    assert _loaded(PEER.name)
+    assert is_loaded(PEER.name)
     assert [r.ended for r in responder.reports] == ["gate opened"]
 
 
@@ -160,7 +154,7 @@ def test_a_held_modprobe_can_be_killed(root: Root, hold: tuple[Responder, thread
     proc.wait(WAIT)
     responder.wake()
     until(lambda: not responder.held(), "a killed opener is still held")
-    assert not _loaded(PEER.name)
+    assert not is_loaded(PEER.name)
 
 
 def test_the_budget_expires_into_a_load_and_a_report(root: Root) -> None:
@@ -170,7 +164,7 @@ def test_the_budget_expires_into_a_load_and_a_report(root: Root) -> None:
     responder.start()
     try:
         p = subprocess.run(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"), timeout=WAIT)
-        assert p.returncode == 0 and _loaded(PEER.name)
+        assert p.returncode == 0 and is_loaded(PEER.name)
         until(lambda: responder.reports, "no report")
         (report,) = responder.reports
         assert report.ended == "budget expired" and report.seconds >= 1.0
@@ -205,7 +199,7 @@ def test_sigkill_of_the_agent_releases_the_held_opener(root: Root) -> None:
         assert proc.wait(WAIT) == 0  # the kernel allows what the dead group held
     finally:
         agent.kill()
-    assert _loaded(PEER.name)
+    assert is_loaded(PEER.name)
 
 
 OPEN_SYSCALLS = {"2", "257", "437"}  # x86_64: open, openat, openat2
@@ -268,9 +262,9 @@ def test_the_responder_apart_answers_for_a_stopped_agent_and_goes_with_a_killed_
         for argv in (["/usr/bin/cat", rel], ["/usr/sbin/modinfo", "nvidia-peermem"]):
             p = subprocess.run(in_container(root, *argv), capture_output=True, timeout=WAIT)
             assert p.returncode == 0, (argv, p.stderr)
-        until(lambda: _loaded(PROV.name), "modprobe's dependency did not load first")
+        until(lambda: is_loaded(PROV.name), "modprobe's dependency did not load first")
         until(lambda: _blocked_in_open(proc.pid), "modprobe never blocked in its open")
-        assert proc.poll() is None and not _loaded(PEER.name), "the load went on, gate closed"
+        assert proc.poll() is None and not is_loaded(PEER.name), "the load went on, gate closed"
         agent.send_signal(signal.SIGKILL)
         assert proc.wait(WAIT) == 0  # the responder let go as its agent died
         until(lambda: _gone(responder_pid), "the responder outlived its agent")
@@ -279,7 +273,7 @@ def test_the_responder_apart_answers_for_a_stopped_agent_and_goes_with_a_killed_
         agent.wait(WAIT)
         if proc is not None:
             proc.kill()
-    assert _loaded(PEER.name)
+    assert is_loaded(PEER.name)
 
 
 @pytest.mark.parametrize("mode", ["auto", "pinned"])
@@ -324,13 +318,13 @@ def test_ignore_marks_on_6_1_never_hide_the_module(
             proc = subprocess.Popen(in_container(root, "/usr/sbin/modprobe", "nvidia-peermem"))
             try:
                 until(responder.held, "modprobe's open of nvidia-peermem.ko was not held")
-                assert proc.poll() is None and not _loaded(PEER.name)
+                assert proc.poll() is None and not is_loaded(PEER.name)
                 responder.follow(True)  # the gate opens: the held load goes on
-                assert proc.wait(WAIT) == 0 and _loaded(PEER.name)
+                assert proc.wait(WAIT) == 0 and is_loaded(PEER.name)
                 responder.follow(False)
             finally:
                 proc.kill()
-            _unload()
+            unload(PEER.name, PROV.name)
 
         held_load()  # its directory read before
         # Renamed into place from a copy read before (as strip/objcopy leave one).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModprobeTools, ModuleOpError, ModuleOps
 from nodeagent.host.moddep import find_module
 from nodeagent.host.observe import Observer
-from tests.realkernel.loaded import observed_names as _loaded
+from tests.realkernel.loaded import moddir, observed_names
 from tests.realkernel.modbuild import KModule
 
 pytestmark = pytest.mark.realkernel
@@ -46,10 +45,6 @@ MODULE_VERSION("1.0");
 SYS = Path("/sys/module")
 
 
-def _moddir() -> str:
-    return f"/usr/lib/modules/{os.uname().release}"
-
-
 def _unload_since(before: set[str]) -> list[str]:
     """Remove what was loaded since ``before``, holders first; the order used."""
     mods, _ = Observer(HostRoot("/"), Config()).read_loaded_modules()
@@ -62,11 +57,11 @@ def _unload_since(before: set[str]) -> list[str]:
 @pytest.fixture
 def restore() -> Iterator[set[str]]:
     """The loaded set before the test; afterwards, whatever the test loaded is gone."""
-    before = _loaded()
+    before = observed_names()
     yield before
     with contextlib.suppress(ModuleOpError):
         _unload_since(before)
-    assert _loaded() == before
+    assert observed_names() == before
 
 
 def _errno_of(op: Callable[[ModuleOps], None], ops: ModuleOps) -> int | None:
@@ -79,7 +74,7 @@ def _errno_of(op: Callable[[ModuleOps], None], ops: ModuleOps) -> int | None:
 
 def _builtin_module() -> str | None:
     """A module built into this kernel that has a /sys/module directory (no initstate)."""
-    for line in Path(_moddir(), "modules.builtin").read_text().split():
+    for line in Path(moddir(), "modules.builtin").read_text().split():
         name = line.rsplit("/", 1)[-1].removesuffix(".ko").replace("-", "_")
         d = SYS / name
         if d.is_dir() and not (d / "initstate").exists():
@@ -126,28 +121,28 @@ def test_errno_libkmod_and_tools_agree(
     built_modules: Callable[[KModule], Path], restore: set[str]
 ) -> None:
     ko = str(built_modules(NA_PARAM))
-    moddir = _moddir()
+    directory = moddir()
     lk, tools = LibKmod(), ModprobeTools()
-    assert find_module(moddir, "xprtrdma") is None  # 6.1: only an alias of rpcrdma
+    assert find_module(directory, "xprtrdma") is None  # 6.1: only an alias of rpcrdma
     # modprobe resolves the alias; LibKmod must too (it did not: ENOENT).
     assert "rpcrdma" not in restore
-    tools.probe("xprtrdma", moddir)
+    tools.probe("xprtrdma", directory)
     assert (SYS / "rpcrdma/initstate").read_text().strip() == "live"
     _unload_since(restore)
-    lk.probe("xprtrdma", moddir)
+    lk.probe("xprtrdma", directory)
     assert (SYS / "rpcrdma/initstate").read_text().strip() == "live"
     assert (SYS / "rdma_cm/holders/rpcrdma").exists()
 
     builtin = _builtin_module()
     assert builtin is not None
     cases: list[tuple[str, Callable[[ModuleOps], None], int | None]] = [
-        ("probe an alias again (loaded)", lambda o: o.probe("xprtrdma", moddir), None),
-        ("probe a loaded module", lambda o: o.probe("rdma_cm", moddir), None),
+        ("probe an alias again (loaded)", lambda o: o.probe("xprtrdma", directory), None),
+        ("probe a loaded module", lambda o: o.probe("rdma_cm", directory), None),
         ("remove rdma_cm held by rpcrdma", lambda o: o.remove("rdma_cm"), errno.EBUSY),
         ("remove ib_core (held)", lambda o: o.remove("ib_core"), errno.EBUSY),
         ("remove an unknown module", lambda o: o.remove("na_no_such_mod"), errno.ENOENT),
         (f"remove builtin {builtin}", lambda o: o.remove(builtin), errno.ENOENT),
-        ("probe an unknown module", lambda o: o.probe("na_no_such_mod", moddir), errno.ENOENT),
+        ("probe an unknown module", lambda o: o.probe("na_no_such_mod", directory), errno.ENOENT),
         ("insert a missing file", lambda o: o.insert_file("/na/none.ko", []), errno.ENOENT),
         ("insert a bad value", lambda o: o.insert_file(ko, ["answer=x"]), errno.EINVAL),
     ]
@@ -172,7 +167,7 @@ def test_actuator_keeps_errno(
     which: str, built_modules: Callable[[KModule], Path], restore: set[str]
 ) -> None:
     ko = str(built_modules(NA_PARAM))
-    LibKmod().probe("rpcrdma", _moddir())
+    LibKmod().probe("rpcrdma", moddir())
     act = Actuator(HostRoot("/"), OPS[which](), kmsg_reader(), first_wait_s=0.01)
     load = LoadModuleFile(guard="t", module="na_param", path=ko, params=("answer=3",), reason="t")
     unload = UnloadModule(guard="t", module="na_param", reason="t")

@@ -35,8 +35,8 @@ from nodeagent.host.act import Actuator, kmsg_reader
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import LibKmod, ModuleOpError
 from nodeagent.host.observe import Observer
+from tests.realkernel.loaded import observed_names
 from tests.realkernel.modbuild import KModule
-from tests.realkernel.test_kmod_real import _loaded
 
 pytestmark = pytest.mark.realkernel
 
@@ -95,7 +95,7 @@ def _remove(*names: str) -> None:
 @contextlib.contextmanager
 def mofed_stack(built: Callable[[KModule], Path], *, mofed_storage: bool) -> Iterator[None]:
     """MOFED's core loaded from MOFED's tree; the inbox builds in the other tree."""
-    assert not {"na_rdma_core", "na_storage"} & _loaded()
+    assert not {"na_rdma_core", "na_storage"} & observed_names()
     mofed = {"na_rdma_core": built(MOFED_CORE)}
     if mofed_storage:
         mofed["na_storage"] = built(MOFED_STORAGE)
@@ -131,7 +131,7 @@ def test_a_storage_module_built_against_the_other_stack_is_refused_before_any_in
         error = outcome.error or ""
         assert f"na_storage not loaded from /{OTHER_ROOT.relative_to('/')}" in error, error
         assert SYM in error and "the loaded na_rdma_core (run/mellanox/drivers/" in error, error
-        assert "na_storage" not in _loaded()
+        assert "na_storage" not in observed_names()
         assert _dmesg().count("na_storage") == before  # the kernel never saw it
 
 
@@ -143,7 +143,7 @@ def test_without_the_check_the_kernel_refuses_it(
         assert not outcome.ok and outcome.errno == errno.EINVAL, outcome
         said = " ".join(outcome.kernel_messages) + _dmesg()
         assert f"na_storage: disagrees about version of symbol {SYM}" in said, outcome
-        assert "na_storage" not in _loaded()
+        assert "na_storage" not in observed_names()
 
 
 def test_mofeds_own_build_is_loaded_from_mofeds_tree(

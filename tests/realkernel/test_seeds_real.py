@@ -48,24 +48,29 @@ from typing import Any
 import pytest
 
 from tests.realkernel.guest_agent import GuestAgent
-from tests.realkernel.loaded import versions as _loaded
+from tests.realkernel.loaded import kernel_lines, versions
 from tests.realkernel.modbuild import KModule
+from tests.realkernel.mofed_container import (
+    BLACKLIST,
+    MOFED_PROLOGUE,
+    MOFED_ROOT,
+    READY,
+    RESTARTS,
+    WAIT,
+    Mofed,
+    start_mofed,
+)
 
 from .. import containerroot, waiting
 from ..containerroot import Container
 
 pytestmark = pytest.mark.realkernel
 
-WAIT = 120.0  # a hang detector under TCG, where a modprobe takes seconds
 PEER_SYM = "ib_register_peer_memory_client"
-MOFED_ROOT = Path("/run/mellanox/drivers")
-READY = MOFED_ROOT / ".driver-ready"
-BLACKLIST = Path("/etc/modprobe.d/blacklist-ofed-modules.conf")
 GPU_ROOT = Path("/run/nvidia/driver")
 TOP = Path("/tmp/na-seeds")
 STACK = ("mlx5_core", "ib_core", "ib_uverbs", "mlx5_ib")  # load order (providers first)
 OURS = ("nvidia_peermem", "nvidia", "mlx5_ib", "ib_uverbs", "mlx5_core", "ib_core")  # unload
-RESTARTS = 2  # the kubelet's restarts of a failed driver container the replay waits for
 
 
 def _module(name: str, build: str, body: str, uses: tuple[KModule, ...] = ()) -> KModule:
@@ -144,19 +149,6 @@ echo "Done, now waiting for signal"
 read x
 """
 
-# The MOFED container's entrypoint around openibd restart. Its steps wait for the test's
-# word where the seeds spend minutes (the build; the insert, timed against the GPU load).
-# Every MOFED entrypoint's start: its flock on .lock, held to its exit (as the shipped
-# entrypoint's), the blacklist removed at exit (its EXIT trap), the ready flag removed.
-MOFED_PROLOGUE = f"""#!/bin/sh
-D={MOFED_ROOT}
-say() {{ echo "[mofed] $*"; }}
-exec 9>"$D/.lock"
-flock 9
-trap 'rm -f {BLACKLIST}' EXIT
-say "Unsetting driver ready state"
-rm -f "$D/.driver-ready"
-"""
 MOFED_ENTRY = (
     MOFED_PROLOGUE
     + f"""read built || exit 0
@@ -185,64 +177,12 @@ read stop
 def _unload_ours() -> None:
     for _ in range(3):  # a holder left by an odd state goes first on the next round
         for name in OURS:
-            if name in _loaded():
+            if name in versions():
                 subprocess.run(["rmmod", name], capture_output=True)
 
 
-def _kernel_lines(since: int) -> list[str]:
-    """The kernel's log lines after the first ``since`` (``dmesg``: its own words)."""
-    out = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
-    return out.splitlines()[since:]
-
-
 def _dmesg_count() -> int:
-    return len(_kernel_lines(0))
-
-
-@dataclass
-class Mofed:
-    """The MOFED container: its entrypoint in a mount namespace of its own."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def step(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b"go\n")
-        self.proc.stdin.flush()
-
-    def said(self, words: str) -> bool:
-        return words in self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            with contextlib.suppress(BrokenPipeError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(WAIT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_mofed(entrypoint: str, top: Path, starts: list[Mofed]) -> Mofed:
-    """A MOFED container start: ``entrypoint`` (a shell script) in a mount namespace of its
-    own, its log ``top/mofed-<n>.log``; appended to ``starts``, returned once it began."""
-    script = top / "mofed-entrypoint"
-    script.write_text(entrypoint)
-    log = top / f"mofed-{len(starts)}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "sh", str(script)],
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    mofed = Mofed(proc, log)
-    starts.append(mofed)
-    waiting.until(lambda: mofed.said("Unsetting"), "MOFED started", WAIT)
-    return mofed
+    return len(kernel_lines(0))
 
 
 @dataclass
@@ -271,7 +211,7 @@ class Node:
     def start_gpu(self) -> Container:
         """A driver pod start: its init container's wait (v0.9: any mlx5_core), then the
         driver container, a new overlay."""
-        until(lambda: "mlx5_core" in _loaded(), "k8s-driver-manager: an mlx5_core")
+        until(lambda: "mlx5_core" in versions(), "k8s-driver-manager: an mlx5_core")
         log = TOP / f"gpu-{len(self.gpu)}.log"
         with log.open("wb") as out:
             c = containerroot.start(self.lower, self.starts, output=out)
@@ -283,7 +223,7 @@ class Node:
 
     def kernel_words(self) -> list[str]:
         words = ("nvidia_peermem", "ib_core", "mlx5")
-        return [line for line in _kernel_lines(self.dmesg_from) if any(w in line for w in words)]
+        return [line for line in kernel_lines(self.dmesg_from) if any(w in line for w in words)]
 
 
 def until(pred: Callable[[], object], what: str) -> None:
@@ -320,7 +260,7 @@ def _build_trees(node: Node) -> None:
 def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
     kver = os.uname().release
     for name in OURS:  # a real module of one of these names, left by an earlier test
-        assert name not in _loaded(), f"{name} is loaded before the replay: {_loaded()}"
+        assert name not in versions(), f"{name} is loaded before the replay: {versions()}"
     subprocess.run(["umount", "-R", "-l", str(GPU_ROOT)], capture_output=True)
     subprocess.run(["umount", "-R", "-l", str(TOP)], capture_output=True)
     shutil.rmtree(TOP, ignore_errors=True)
@@ -418,7 +358,7 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
                 {line.strip() for log in logs for line in log.splitlines() if "modprobe: " in line}
             )
             row["kernel_words"] = node.kernel_words()
-            loaded = _loaded()
+            loaded = versions()
             row["peermem_loaded"] = "nvidia_peermem" in loaded
             row["ib_core"] = loaded.get("ib_core")
             row["mofed_log"] = mofed.log.read_text(errors="replace").splitlines()
@@ -453,7 +393,7 @@ def replay_restart_over_peermem(
             for start in range(1 + RESTARTS):
                 mofed = node.start_mofed()  # its flag removed: MOFED is restarting
                 if agent is not None and start == 0:  # its build lasts minutes on a node
-                    until(lambda: "nvidia_peermem" not in _loaded(), "the idle peermem unloaded")
+                    until(lambda: "nvidia_peermem" not in versions(), "the idle peermem unloaded")
                 mofed.step()  # build done: blacklist, unload
                 until(
                     lambda m=mofed: m.said("HCA driver unloaded") or m.proc.poll() is not None,  # type: ignore[misc]
@@ -472,8 +412,8 @@ def replay_restart_over_peermem(
             ]
             row["mofed_ready"] = any("Setting driver ready state" in w for w in words)
             if agent is not None:
-                agent.until(lambda: "nvidia_peermem" in _loaded(), "the agent loaded peermem back")
-            loaded = _loaded()
+                agent.until(lambda: "nvidia_peermem" in versions(), "the agent loaded peermem back")
+            loaded = versions()
             row["peermem_loaded"] = "nvidia_peermem" in loaded
             row["ib_core"] = loaded.get("ib_core")
         finally:

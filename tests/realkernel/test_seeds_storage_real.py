@@ -33,9 +33,8 @@ import pytest
 from tests import waiting
 from tests.kobuild import require_tool
 from tests.realkernel.guest_agent import GuestAgent
-from tests.realkernel.test_kmod_real import _loaded
-from tests.realkernel.test_seeds_real import _kernel_lines
-from tests.realkernel.test_storage_real import HOLD, LOCK, MOFED, READY, STORAGE, _force_back, _run
+from tests.realkernel.loaded import kernel_lines, observed_names
+from tests.realkernel.storage_setup import HOLD, LOCK, MOFED, READY, STORAGE, force_back, run
 
 pytestmark = pytest.mark.realkernel
 
@@ -126,7 +125,7 @@ def _soft_roce_up() -> None:
         ("ip", "link", "set", NETDEV, "up"),
         ("rdma", "link", "add", RXE, "type", "rxe", "netdev", NETDEV),
     ):
-        p = _run(*argv)
+        p = run(*argv)
         assert p.returncode == 0, (argv, p.stderr)
 
 
@@ -145,7 +144,7 @@ def mofed_attempt(script: Path) -> tuple[bool, list[str]]:
 
 
 def _storage_loaded() -> set[str]:
-    return STORAGE & _loaded()
+    return STORAGE & observed_names()
 
 
 def _agent_rows(agent: GuestAgent) -> tuple[list[str], list[str]]:
@@ -186,14 +185,14 @@ def replay_storage(
         require_tool(tool, "iproute2")
     require_tool("unshare", "util-linux")
     require_tool("flock", "util-linux")
-    before = _loaded()
+    before = observed_names()
     assert not STORAGE & before, sorted(STORAGE & before)
     flags = (READY, LOCK, HOLD, MOFED / ".installed")
     made = [d for d in (MOFED.parent, MOFED) if not d.exists()]  # removed afterwards
     for path in flags:
         path.unlink(missing_ok=True)
     row: dict[str, Any] = {"seed": SEED, "agent": with_agent}
-    dmesg_before = len(_kernel_lines(0))
+    dmesg_before = len(kernel_lines(0))
     agent: GuestAgent | None = None
     mount_errors: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,12 +200,12 @@ def replay_storage(
         script.write_text(MOFED_SH)
         try:
             for name in ("dummy", "rdma_rxe"):
-                p = _run("modprobe", name)
+                p = run("modprobe", name)
                 assert p.returncode == 0, p.stderr
             _soft_roce_up()
             # The shared volume's mount, before MOFED: the kernel loads the chain, fails.
             mount_errors.append(nfs_rdma_mount())
-            row["rpcrdma_after_mount"] = "rpcrdma" in _loaded()
+            row["rpcrdma_after_mount"] = "rpcrdma" in observed_names()
             # The failed transport is torn down asynchronously: idle once its reference goes.
             idle()
 
@@ -256,11 +255,11 @@ def replay_storage(
                     "the agent's load-back of rpcrdma once MOFED is ready",
                     WAIT,
                 )
-            row["storage_back"] = "rpcrdma" in _loaded() and not HOLD.exists()
+            row["storage_back"] = "rpcrdma" in observed_names() and not HOLD.exists()
             if agent is not None:
                 row["agent_verdicts"], row["agent_done"] = _agent_rows(agent)
             row["mount_errors"] = mount_errors
-            new = _kernel_lines(dmesg_before)
+            new = kernel_lines(dmesg_before)
             row["kernel_words"] = [
                 *(f"mount(2): {e}" for e in dict.fromkeys(mount_errors)),
                 *(line.split("] ", 1)[-1] for line in new if KERNEL_WORDS.search(line)),
@@ -273,13 +272,13 @@ def replay_storage(
                 MOUNT_POINT.rmdir()
             for path in flags:
                 path.unlink(missing_ok=True)
-            _run("rdma", "link", "delete", RXE)
-            _run("ip", "link", "del", NETDEV)
+            run("rdma", "link", "delete", RXE)
+            run("ip", "link", "del", NETDEV)
             for d in reversed(made):
                 with contextlib.suppress(OSError):
                     d.rmdir()
-            _force_back(before)
-    row["left_loaded"] = sorted(_loaded() - before)
+            force_back(before)
+    row["left_loaded"] = sorted(observed_names() - before)
     return row
 
 

@@ -31,16 +31,7 @@ from typing import Any
 import pytest
 
 from tests.realkernel.guest_agent import HOLD_CONFIG, GuestAgent
-from tests.realkernel.test_seeds_real import (
-    BLACKLIST,
-    MOFED_PROLOGUE,
-    MOFED_ROOT,
-    READY,
-    RESTARTS,
-    Mofed,
-    start_mofed,
-)
-from tests.realkernel.test_sriov_real import (
+from tests.realkernel.igb_vfs import (
     PCI,
     bind,
     configure,
@@ -50,6 +41,15 @@ from tests.realkernel.test_sriov_real import (
     vf_pci,
     vfinfo,
     wanted,
+)
+from tests.realkernel.mofed_container import (
+    BLACKLIST,
+    MOFED_PROLOGUE,
+    MOFED_ROOT,
+    READY,
+    RESTARTS,
+    Mofed,
+    start_mofed,
 )
 
 from .. import waiting

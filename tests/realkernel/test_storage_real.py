@@ -28,35 +28,21 @@ from nodeagent.config import Config
 from nodeagent.core.actions import UnloadModule
 from nodeagent.core.storage import StoragePolicy
 from nodeagent.host.fs import HostRoot
-from nodeagent.host.kmod import LibKmod, ModuleOpError
+from nodeagent.host.kmod import LibKmod
 from nodeagent.host.moddep import module_dependencies
 from nodeagent.host.observe import Observer
 from tests.kobuild import require_tool
-from tests.realkernel.test_kmod_real import _loaded, _moddir
+from tests.realkernel.loaded import moddir, observed_names
+from tests.realkernel.storage_setup import HOLD, LOCK, MOFED, READY, STORAGE, force_back, run
 
 pytestmark = pytest.mark.realkernel
 
 CHAIN = ("rpcrdma", "nvme_rdma", "nvmet_rdma", "ib_isert", "ib_srpt")
-STORAGE = {"ib_iser", "ib_isert", "ib_srp", "ib_srpt", "nvme_rdma", "nvmet_rdma", "rpcrdma"}
-MOFED = Path("/run/mellanox/drivers")
-LOCK = MOFED / ".lock"
-READY = MOFED / ".driver-ready"
-HOLD = Path("/etc/modprobe.d/nodeagent-storage-hold.conf")
 STATE = Path("/run/nodeagent/state.json")
 PORT = Path("/sys/kernel/config/nvmet/ports/1")
 SUBSYS = Path("/sys/kernel/config/nvmet/subsystems/nqn.2026-11.io.nodeagent:storage-test")
 HOLDER = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
 HOLDER += "print('locked', flush=True); time.sleep(600)"
-
-
-def _force_back(before: set[str]) -> None:
-    for _ in range(10):
-        extra = _loaded() - before
-        if not extra:
-            return
-        for name in sorted(extra):
-            with contextlib.suppress(ModuleOpError):
-                LibKmod().remove(name)
 
 
 @contextlib.contextmanager
@@ -86,14 +72,14 @@ def _agent() -> Agent:
 @pytest.fixture
 def clean() -> Iterator[set[str]]:
     """Fresh agent memory, no hold file, no ready flag; afterwards the modules as before."""
-    before = _loaded()
+    before = observed_names()
     assert not STORAGE & before
     STATE.unlink(missing_ok=True)
     yield before
     HOLD.unlink(missing_ok=True)
     READY.unlink(missing_ok=True)
     STATE.unlink(missing_ok=True)
-    _force_back(before)
+    force_back(before)
 
 
 def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[str]) -> None:
@@ -101,8 +87,8 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
     before = clean
     lk = LibKmod()
     for name in CHAIN:
-        lk.probe(name, _moddir())
-    loaded = _loaded()
+        lk.probe(name, moddir())
+    loaded = observed_names()
     pulled = loaded - before
     assert set(CHAIN) <= pulled and {"ib_core", "rdma_cm", "sunrpc"} <= pulled
 
@@ -113,7 +99,7 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
         assert f"pid {holder.pid}" in verdict.reasons[0]
         assert all(o.ok for o in result.outcomes), [o.error for o in result.outcomes]
         unloads = [o.action.module for o in result.outcomes if isinstance(o.action, UnloadModule)]
-        after = _loaded()
+        after = observed_names()
         # Every storage module and what of its chain nothing else needs is gone, in an
         # order the kernel accepted (no EBUSY above), and nothing else was touched.
         assert not STORAGE & after
@@ -123,7 +109,7 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
         # their dependencies, and modules no module holds (crypto algorithms the kept ones
         # took a handle on, refcnt > 0 or not): nothing left is held only by removed modules.
         kept = {"nvme", "nvme_core", "nvme_fabrics"} & pulled
-        kept |= {d for k in kept for d in module_dependencies(_moddir(), k)}
+        kept |= {d for k in kept for d in module_dependencies(moddir(), k)}
         mods, _ = Observer(HostRoot("/"), Config()).read_loaded_modules()
         left = after - before
         assert kept <= left, (sorted(left), sorted(kept))
@@ -134,7 +120,7 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
         text = HOLD.read_text()
         assert text.startswith("# Written by nodeagent") and "install rpcrdma /bin/false" in text
         p = subprocess.run(["modprobe", "rpcrdma"], capture_output=True, text=True)
-        assert p.returncode != 0 and "rpcrdma" not in _loaded(), p.stderr
+        assert p.returncode != 0 and "rpcrdma" not in observed_names(), p.stderr
         # A second pass while MOFED is still pending: holding, nothing more to do.
         result = _agent().run_once(["test"])
         assert result.verdicts["storage"].verdict == "holding" and result.outcomes == ()
@@ -145,14 +131,14 @@ def test_pending_mofed_removes_the_chain_holds_it_and_loads_it_back(clean: set[s
     assert result.verdicts["storage"].verdict == "clear"
     assert all(o.ok for o in result.outcomes), [o.error for o in result.outcomes]
     assert not HOLD.exists()
-    back = _loaded()
+    back = observed_names()
     assert {"rpcrdma", "nvme_rdma", "nvmet_rdma", "ib_isert", "ib_srpt"} <= back
 
 
 def test_a_real_user_is_refused_and_named(clean: set[str]) -> None:
     before = clean
     lk = LibKmod()
-    lk.probe("nvmet_rdma", _moddir())
+    lk.probe("nvmet_rdma", moddir())
     try:
         SUBSYS.mkdir()
         (SUBSYS / "attr_allow_any_host").write_text("1\n")
@@ -174,7 +160,7 @@ def test_a_real_user_is_refused_and_named(clean: set[str]) -> None:
             and SUBSYS.name in r
             for r in verdict.reasons
         ), verdict.reasons
-        assert result.outcomes == () and "nvmet_rdma" in _loaded() and not HOLD.exists()
+        assert result.outcomes == () and "nvmet_rdma" in observed_names() and not HOLD.exists()
     finally:
         with contextlib.suppress(OSError):
             (PORT / "subsystems" / SUBSYS.name).unlink()
@@ -182,15 +168,11 @@ def test_a_real_user_is_refused_and_named(clean: set[str]) -> None:
             PORT.rmdir()
         with contextlib.suppress(OSError):
             SUBSYS.rmdir()
-    assert before <= _loaded()
+    assert before <= observed_names()
 
 
 NQN = "nqn.2026-11.io.nodeagent:loopback"
 RXE_ADDR = "10.99.0.1"
-
-
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
@@ -202,7 +184,7 @@ def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
     require_tool("rdma", "iproute2")
     lk = LibKmod()
     for name in ("dummy", "null_blk", "rdma_rxe", "nvmet_rdma", "nvme_rdma"):
-        lk.probe(name, _moddir())
+        lk.probe(name, moddir())
     subsys = Path("/sys/kernel/config/nvmet/subsystems") / NQN
     port = Path("/sys/kernel/config/nvmet/ports/2")
     ctrl: str | None = None
@@ -213,7 +195,7 @@ def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
             ("ip", "link", "set", "na_dummy0", "up"),
             ("rdma", "link", "add", "na_rxe0", "type", "rxe", "netdev", "na_dummy0"),
         ):
-            p = _run(*argv)
+            p = run(*argv)
             assert p.returncode == 0, (argv, p.stderr)
         subsys.mkdir()
         (subsys / "attr_allow_any_host").write_text("1\n")
@@ -255,7 +237,7 @@ def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
             r.startswith(f"nvme_rdma is in use: NVMe-oF controller {ctrl} (subsystem {NQN})")
             for r in verdict.reasons
         ), verdict.reasons
-        assert result.outcomes == () and {"nvme_rdma", "nvmet_rdma"} <= _loaded()
+        assert result.outcomes == () and {"nvme_rdma", "nvmet_rdma"} <= observed_names()
         assert Path(f"/sys/class/nvme/{ctrl}").exists()
     finally:
         if ctrl is not None:
@@ -271,5 +253,5 @@ def test_an_nvme_of_loopback_controller_over_soft_roce_is_refused_by_name(
             (subsys / "namespaces/1").rmdir()
         with contextlib.suppress(OSError):
             subsys.rmdir()
-        _run("rdma", "link", "delete", "na_rxe0")
-        _run("ip", "link", "del", "na_dummy0")
+        run("rdma", "link", "delete", "na_rxe0")
+        run("ip", "link", "del", "na_dummy0")
