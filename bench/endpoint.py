@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # the repo's tests/
 
 from nodeagent.sim.node import GATE, READY  # noqa: E402
-from tests.healthy import healthy_node  # noqa: E402
 from tests.endpoint_flood import FAT_LINE, FAT_LINES, Flood  # noqa: E402
+from tests.healthy import healthy_node  # noqa: E402
 
 
 def free_port() -> int:

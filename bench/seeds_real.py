@@ -31,10 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.realkernel import modbuild, vm  # noqa: E402
+from tests.realkernel import replay_storage as storage  # noqa: E402
+from tests.realkernel import replay_upgrade as upgrade  # noqa: E402
+from tests.realkernel import replay_vf as vf  # noqa: E402
 from tests.realkernel import setup as rksetup  # noqa: E402
-from tests.realkernel import test_seeds_real as upgrade  # noqa: E402
-from tests.realkernel import test_seeds_storage_real as storage  # noqa: E402
-from tests.realkernel import test_seeds_vf_real as vf  # noqa: E402
 
 MARK = "SEEDS-ROWS "
 AGENT_RUN = "nodeagent run --config deploy/components/peermem-hold/agent.toml --mode enforce"

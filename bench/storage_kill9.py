@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.faults
 
-from tests.faults.test_storage_kill9 import MODULES, pending_trial, trial
+from tests.faults.storage_trials import MODULES, pending_trial, trial
 
 
 def main() -> int:

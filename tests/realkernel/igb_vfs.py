@@ -1,5 +1,5 @@
 """The guest's igb PF and its igbvf VFs (QEMU's 82576), for ``test_sriov_real.py`` and
-``test_seeds_vf_real.py``: find the PF, set its VF count, bind a VF, set and read a VF's
+``replay_vf.py``: find the PF, set its VF count, bind a VF, set and read a VF's
 configuration as ``ip link`` does."""
 
 from __future__ import annotations

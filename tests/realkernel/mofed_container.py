@@ -1,6 +1,6 @@
 """MOFED's driver container on the guest: its entrypoint run in a mount namespace of its
-own, stepped by the test, its ready flag and blacklist (``test_seeds_real.py``,
-``test_seeds_vf_real.py``)."""
+own, stepped by the test, its ready flag and blacklist (``replay_upgrade.py``,
+``replay_vf.py``)."""
 
 from __future__ import annotations
 

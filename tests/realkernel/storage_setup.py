@@ -1,5 +1,5 @@
 """The storage chain on the guest's kernel, shared by ``test_storage_real.py`` and
-``test_seeds_storage_real.py``: the modules, MOFED's lock and flag, the agent's hold file,
+``replay_storage.py``: the modules, MOFED's lock and flag, the agent's hold file,
 and unloading what a test left loaded."""
 
 from __future__ import annotations

@@ -1,0 +1,432 @@
+"""The seeds, end to end on the real Debian 6.1 kernel (QEMU): the kernel-upgrade race.
+
+Seeds 000-002 replayed with built modules and processes that behave as the shipped
+containers do (``nodeagent/sim/actors.py`` models the same ones):
+
+- **modules:** an ``ib_core`` in two builds, the inbox one and MOFED's, exporting the
+  peer-memory symbol ``ib_register_peer_memory_client`` with different prototypes (so
+  different CRCs, as MOFED's and the inbox ``ib_core`` differ); ``mlx5_core``,
+  ``ib_uverbs`` and ``mlx5_ib`` in both builds; ``nvidia``; ``nvidia-peermem.ko`` built
+  against MOFED's ``ib_core`` and ``nvidia``. The inbox stack is loaded as a node boots
+  (PCI enumeration); MOFED's build sits in MOFED's tree, ``/run/mellanox/drivers``;
+- **the MOFED container:** a process in its own mount namespace running an
+  ``openibd``-like restart in the seeds' order: its flock on ``.lock`` (held to its
+  exit), the ready flag removed, the driver build, the host blacklist written, the stack
+  unloaded (upper layers first), MOFED's modules inserted from ``updates/``, the
+  blacklist removed, the flag written;
+- **the GPU driver container:** an overlay root in its own mount namespace, its command
+  line ``nvidia-driver init``, its image's module tree holding the kernel's own
+  ``ib_core`` (the inbox one) next to ``nvidia.ko`` and ``nvidia-peermem.ko``; its init
+  container (``k8s-driver-manager`` v0.9) waits for any ``mlx5_core`` in
+  ``/proc/modules``, which the inbox stack satisfies at once; after its build it runs
+  ``modprobe nvidia`` and ``modprobe -a nvidia-peermem`` (``_load_driver``), mid-restart,
+  and a failed load exits it non-zero: the kubelet starts it again, a new overlay;
+- **the agent:** the real ``nodeagent run`` process (``guest_agent.py``), the
+  peermem-hold component's config, ``--mode enforce``.
+
+The durations of the seeds (minutes of driver builds) are the test's to give: each
+container's build lasts until the test says go, at the seeds' relative order (MOFED's
+unload done, then the GPU container's load, then MOFED's insert). Where the agent's
+part is a held load, the test waits for that hold (the load would wait however long
+MOFED's insert took). Each replay is a plain function returning a row: the bench
+(``bench/seeds_real.py``) prints the same rows as a table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.realkernel.guest_agent import GuestAgent
+from tests.realkernel.loaded import kernel_lines, versions
+from tests.realkernel.modbuild import KModule
+from tests.realkernel.mofed_container import (
+    BLACKLIST,
+    MOFED_PROLOGUE,
+    MOFED_ROOT,
+    READY,
+    RESTARTS,
+    WAIT,
+    Mofed,
+    start_mofed,
+)
+
+from .. import containerroot, waiting
+from ..containerroot import Container
+
+PEER_SYM = "ib_register_peer_memory_client"
+
+
+GPU_ROOT = Path("/run/nvidia/driver")
+
+
+TOP = Path("/tmp/na-seeds")
+
+
+STACK = ("mlx5_core", "ib_core", "ib_uverbs", "mlx5_ib")  # load order (providers first)
+
+
+OURS = ("nvidia_peermem", "nvidia", "mlx5_ib", "ib_uverbs", "mlx5_core", "ib_core")  # unload
+
+
+def _module(name: str, build: str, body: str, uses: tuple[KModule, ...] = ()) -> KModule:
+    version = f'MODULE_VERSION("{build}");\n' if build else ""
+    src = f'#include <linux/module.h>\n{body}\nMODULE_LICENSE("GPL");\n{version}'
+    return KModule(name, {f"{name}.c": src}, uses=uses)
+
+
+def _init(calls: str) -> str:
+    """An init that calls its providers (so it needs them), and an exit (so it unloads)."""
+    return (
+        f"static int __init m_init(void) {{ return {calls}; }}\n"
+        "static void __exit m_exit(void) {}\n"
+        "module_init(m_init);\nmodule_exit(m_exit);\n"
+    )
+
+
+def _stack(build: str, peer_args: str) -> dict[str, KModule]:
+    """One build of the RDMA stack: its ``ib_core``'s peer-memory symbol has ``peer_args``."""
+    ib_core = _module(
+        "ib_core",
+        build,
+        f"int {PEER_SYM}({peer_args}) {{ return 0; }}\nEXPORT_SYMBOL({PEER_SYM});\n"
+        "int ib_na_core(void) { return 0; }\nEXPORT_SYMBOL(ib_na_core);\n",
+    )
+    mlx5_core = _module(
+        "mlx5_core", build, "int mlx5_na_core(void) { return 0; }\nEXPORT_SYMBOL(mlx5_na_core);\n"
+    )
+    ib_uverbs = _module(
+        "ib_uverbs",
+        build,
+        "extern int ib_na_core(void);\n"
+        "int ib_na_uverbs(void) { return ib_na_core(); }\nEXPORT_SYMBOL(ib_na_uverbs);\n",
+        (ib_core,),
+    )
+    mlx5_ib = _module(
+        "mlx5_ib",
+        build,
+        "extern int ib_na_core(void);\nextern int ib_na_uverbs(void);\n"
+        "extern int mlx5_na_core(void);\n"
+        + _init("ib_na_core() + ib_na_uverbs() + mlx5_na_core()"),
+        (ib_core, ib_uverbs, mlx5_core),
+    )
+    return {"ib_core": ib_core, "mlx5_core": mlx5_core, "ib_uverbs": ib_uverbs, "mlx5_ib": mlx5_ib}
+
+
+INBOX = _stack("inbox", "void *client")
+
+
+MOFED = _stack("mofed", "void *client, void *invalidate")  # MOFED's prototype: another CRC
+
+
+NVIDIA = _module(
+    "nvidia",
+    "580.95.05",
+    "int nvidia_p2p_get_pages(void) { return 0; }\nEXPORT_SYMBOL(nvidia_p2p_get_pages);\n",
+)
+
+
+PEERMEM = _module(
+    "nvidia-peermem",
+    "",
+    f"extern int {PEER_SYM}(void *client, void *invalidate);\n"
+    "extern int nvidia_p2p_get_pages(void);\n"
+    + _init(f"{PEER_SYM}((void *)0, (void *)0) + nvidia_p2p_get_pages()"),
+    (MOFED["ib_core"], NVIDIA),
+)
+
+
+# Module-level, so the host builds them before the boot (modbuild).
+BUILDS = (*INBOX.values(), *MOFED.values(), NVIDIA, PEERMEM)
+
+
+# The GPU driver container's entrypoint: its build lasts until the test says go (stdin
+# closed first: it ends without loading), then _load_driver's loads, as the seed logs them.
+GPU_ENTRY = """#!/bin/sh
+read go || exit 0
+/usr/sbin/modprobe nvidia || exit 1
+echo "Loading NVIDIA Peer Memory kernel module..."
+/usr/sbin/modprobe -a nvidia-peermem 2>&1
+rc=$?
+echo "modprobe-rc=$rc"
+[ "$rc" = 0 ] || exit 1
+echo "Done, now waiting for signal"
+read x
+"""
+
+
+MOFED_ENTRY = (
+    MOFED_PROLOGUE
+    + f"""read built || exit 0
+say "openibd restart: Unloading HCA driver"
+printf 'blacklist mlx5_core\\nblacklist mlx5_ib\\nblacklist ib_core\\n' > {BLACKLIST}
+for m in mlx5_ib ib_uverbs mlx5_core ib_core; do
+  if grep -q "^$m " /proc/modules; then
+    rmmod "$m" 2>&1 || {{ say "Unloading HCA driver: [FAILED]"; exit 1; }}
+  fi
+done
+say "HCA driver unloaded"
+read insert || exit 0
+say "Loading HCA driver and Access Layer"
+for m in mlx5_core mlx5_ib; do
+  modprobe -d "$D" "$m" 2>&1 || {{ say "Loading HCA driver and Access Layer: [FAILED]"; exit 1; }}
+done
+rm -f {BLACKLIST}
+say "Loading HCA driver and Access Layer: [  OK  ]"
+: > "$D/.driver-ready"
+say "Setting driver ready state"
+read stop
+"""
+)
+
+
+def _unload_ours() -> None:
+    for _ in range(3):  # a holder left by an odd state goes first on the next round
+        for name in OURS:
+            if name in versions():
+                subprocess.run(["rmmod", name], capture_output=True)
+
+
+def _dmesg_count() -> int:
+    return len(kernel_lines(0))
+
+
+@dataclass
+class Node:
+    """The guest as a GPU node: trees, the containers started so far, the kernel log."""
+
+    kver: str
+    built: Callable[[KModule], Path]
+    lower: Path = TOP / "gpu-image"
+    starts: Path = TOP / "starts"
+    dmesg_from: int = 0
+    gpu: list[tuple[Container, Path]] = field(default_factory=list)
+    mofeds: list[Mofed] = field(default_factory=list)
+
+    def boot(self) -> None:
+        """The inbox stack loaded, as PCI enumeration loads it; no ready flag (/run is new)."""
+        for name in STACK:
+            subprocess.run(["insmod", str(self.built(INBOX[name]))], check=True)
+        READY.unlink(missing_ok=True)
+        BLACKLIST.unlink(missing_ok=True)
+
+    def start_mofed(self) -> Mofed:
+        """A MOFED container start (a restart is another start, with its own log)."""
+        return start_mofed(MOFED_ENTRY, TOP, self.mofeds)
+
+    def start_gpu(self) -> Container:
+        """A driver pod start: its init container's wait (v0.9: any mlx5_core), then the
+        driver container, a new overlay."""
+        until(lambda: "mlx5_core" in versions(), "k8s-driver-manager: an mlx5_core")
+        log = TOP / f"gpu-{len(self.gpu)}.log"
+        with log.open("wb") as out:
+            c = containerroot.start(self.lower, self.starts, output=out)
+        self.gpu.append((c, log))
+        return c
+
+    def gpu_log(self, i: int = -1) -> str:
+        return self.gpu[i][1].read_text(errors="replace")
+
+    def kernel_words(self) -> list[str]:
+        words = ("nvidia_peermem", "ib_core", "mlx5")
+        return [line for line in kernel_lines(self.dmesg_from) if any(w in line for w in words)]
+
+
+def until(pred: Callable[[], object], what: str) -> None:
+    waiting.until(pred, what, WAIT)
+
+
+def _build_trees(node: Node) -> None:
+    """MOFED's tree (its ``updates/``) and the GPU driver image (its tree, with the kernel's
+    own ``ib_core``), each with its modules.dep; the image is also where the agent reads
+    the GPU driver's root (the operator bind-mounts the container's root there)."""
+    kver, built = node.kver, node.built
+    updates = MOFED_ROOT / f"lib/modules/{kver}/updates"
+    updates.mkdir(parents=True, exist_ok=True)
+    for name, spec in MOFED.items():
+        shutil.copy(built(spec), updates / f"{name}.ko")
+    subprocess.run(["depmod", "-b", str(MOFED_ROOT), kver], check=True)
+
+    drivers = "kernel/drivers"
+    containerroot.driver_image(
+        node.lower,
+        GPU_ENTRY,
+        kver,
+        {
+            f"{drivers}/video/nvidia.ko": built(NVIDIA),
+            f"{drivers}/video/nvidia-peermem.ko": built(PEERMEM),
+            f"{drivers}/infiniband/core/ib_core.ko": built(INBOX["ib_core"]),
+        },
+    )
+    GPU_ROOT.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(node.lower), str(GPU_ROOT)], check=True)
+
+
+@contextlib.contextmanager
+def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
+    kver = os.uname().release
+    for name in OURS:  # a real module of one of these names, left by an earlier test
+        assert name not in versions(), f"{name} is loaded before the replay: {versions()}"
+    subprocess.run(["umount", "-R", "-l", str(GPU_ROOT)], capture_output=True)
+    subprocess.run(["umount", "-R", "-l", str(TOP)], capture_output=True)
+    shutil.rmtree(TOP, ignore_errors=True)
+    shutil.rmtree(MOFED_ROOT / "lib", ignore_errors=True)
+    TOP.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(TOP)], check=True)
+    (TOP / "starts").mkdir()
+    node = Node(kver, built, dmesg_from=_dmesg_count())
+    try:
+        _build_trees(node)
+        yield node
+    finally:
+        for c, _log in node.gpu:
+            c.stop()
+        for mofed in node.mofeds:
+            mofed.stop()
+        _unload_ours()
+        READY.unlink(missing_ok=True)
+        BLACKLIST.unlink(missing_ok=True)
+        shutil.rmtree(MOFED_ROOT / "lib", ignore_errors=True)
+        subprocess.run(["umount", "-R", "-l", str(GPU_ROOT)], capture_output=True)
+        subprocess.run(["umount", "-R", "-l", str(TOP)], capture_output=True)
+
+
+EINVAL_WORDS = "could not insert 'nvidia_peermem': Invalid argument"
+
+
+def _exited(c: Container) -> int | None:
+    return c.proc.poll()
+
+
+def _held_records(agent: GuestAgent) -> list[dict[str, Any]]:
+    return [r for r in agent.records() if r.get("kind") == "held-open"]
+
+
+def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[str, Any]:
+    """Seeds 000-002: after a kernel upgrade MOFED rebuilds and restarts its stack while
+    the GPU driver container, released by any mlx5_core, loads nvidia-peermem mid-restart.
+    A row: the loads that failed, the driver container's exits, the kernel's and the
+    tools' words, what is loaded at the end."""
+    row: dict[str, Any] = {"seed": "000-002 kernel upgrade", "agent": with_agent}
+    agent = GuestAgent() if with_agent else None
+    with seed_node(built) as node:
+        try:
+            node.boot()
+            if agent is not None:
+                agent.start()
+            mofed = node.start_mofed()
+            gpu = node.start_gpu()
+            if agent is not None:  # the driver's build outlasts the agent's /proc poll
+                agent.until(
+                    lambda: any(
+                        r.get("pid") == gpu.pid for r in agent.hold().get("container_roots", [])
+                    ),
+                    "the agent marked the driver container's root",
+                )
+            mofed.step()  # MOFED's build done: blacklist, unload
+            until(
+                lambda: mofed.said("HCA driver unloaded") or mofed.proc.poll() is not None, "unload"
+            )
+            assert mofed.said("HCA driver unloaded"), mofed.log.read_text()
+            gpu.send("go")  # the driver's build done: its loads, mid-restart
+            if agent is None:
+                until(lambda: _exited(gpu) is not None, "the driver container's load ended")
+            else:
+                agent.until(lambda: agent.hold().get("held"), "the driver container's load held")
+                row["held"] = [dict(h) for h in agent.hold()["held"]]
+            mofed.step()  # MOFED inserts its stack, writes the flag
+            until(
+                lambda: mofed.said("Setting driver ready state") or mofed.proc.poll() is not None,
+                "MOFED ready",
+            )
+            row["mofed_ready"] = mofed.said("Setting driver ready state")
+            if agent is None:
+                for _ in range(RESTARTS):  # CrashLoopBackOff: the kubelet starts it again
+                    again = node.start_gpu()
+                    again.send("go")
+                    until(
+                        lambda c=again: _exited(c) is not None,  # type: ignore[misc]
+                        "the restarted container's load ended",
+                    )
+            else:
+                until(
+                    lambda: "modprobe-rc=" in node.gpu_log() or _exited(gpu) is not None,
+                    "the held load went on",
+                )
+                agent.until(lambda: agent.verdict("peermem") == "open", "the gate open")
+                # The held open's record: written by the pass after the release.
+                agent.until(lambda: _held_records(agent), "the held open's timeline record")
+                row["records"] = _held_records(agent)
+            logs = [node.gpu_log(i) for i in range(len(node.gpu))]
+            row["failed_loads"] = sum(log.count(EINVAL_WORDS) for log in logs)
+            row["container_exits"] = sum(1 for c, _ in node.gpu if _exited(c) not in (None, 0))
+            row["tool_words"] = sorted(
+                {line.strip() for log in logs for line in log.splitlines() if "modprobe: " in line}
+            )
+            row["kernel_words"] = node.kernel_words()
+            loaded = versions()
+            row["peermem_loaded"] = "nvidia_peermem" in loaded
+            row["ib_core"] = loaded.get("ib_core")
+            row["mofed_log"] = mofed.log.read_text(errors="replace").splitlines()
+        finally:
+            if agent is not None:
+                row["agent_exit"] = agent.stop()
+                row["agent_log_tail"] = agent.tail()
+    return row
+
+
+def replay_restart_over_peermem(
+    built: Callable[[KModule], Path], with_agent: bool
+) -> dict[str, Any]:
+    """Seeds 000-002, the other half: MOFED restarts its stack (a driver upgrade, a pod
+    restart) on a healthy node where ``nvidia_peermem`` is loaded and idle; ``openibd``'s
+    unload of ``ib_core`` meets it. A row: MOFED's exits and words, what is loaded at the end."""
+    row: dict[str, Any] = {"seed": "000-002 MOFED restart, peermem idle", "agent": with_agent}
+    agent = GuestAgent() if with_agent else None
+    with seed_node(built) as node:
+        try:
+            # Healthy: MOFED's stack, its flag, nvidia and peermem on MOFED's ib_core.
+            subprocess.run(["modprobe", "-d", str(MOFED_ROOT), "mlx5_ib"], check=True)
+            READY.write_text("")
+            for name in ("nvidia", "nvidia-peermem"):
+                subprocess.run(["modprobe", "-d", str(GPU_ROOT), name], check=True)
+            if agent is not None:
+                agent.start()
+                agent.until(lambda: agent.verdict("peermem") == "open", "the gate open")
+            for start in range(1 + RESTARTS):
+                mofed = node.start_mofed()  # its flag removed: MOFED is restarting
+                if agent is not None and start == 0:  # its build lasts minutes on a node
+                    until(lambda: "nvidia_peermem" not in versions(), "the idle peermem unloaded")
+                mofed.step()  # build done: blacklist, unload
+                until(
+                    lambda m=mofed: m.said("HCA driver unloaded") or m.proc.poll() is not None,  # type: ignore[misc]
+                    "MOFED's unload",
+                )
+                if mofed.said("HCA driver unloaded"):
+                    mofed.step()  # insert, flag
+                    until(lambda m=mofed: m.said("Setting driver ready state"), "MOFED ready")  # type: ignore[misc]
+                    break
+            row["mofed_exits"] = sum(1 for m in node.mofeds if m.proc.poll() not in (None, 0))
+            words = [
+                line for m in node.mofeds for line in m.log.read_text(errors="replace").splitlines()
+            ]
+            row["mofed_words"] = [
+                w for w in words if "rmmod" in w or "[FAILED]" in w or "ready state" in w
+            ]
+            row["mofed_ready"] = any("Setting driver ready state" in w for w in words)
+            if agent is not None:
+                agent.until(lambda: "nvidia_peermem" in versions(), "the agent loaded peermem back")
+            loaded = versions()
+            row["peermem_loaded"] = "nvidia_peermem" in loaded
+            row["ib_core"] = loaded.get("ib_core")
+        finally:
+            if agent is not None:
+                row["agent_exit"] = agent.stop()
+                row["agent_log_tail"] = agent.tail()
+    return row
