@@ -37,3 +37,13 @@ def booting_node(tmp_path: Path) -> Iterator[Node]:
     n = healthy_node(tmp_path, ready=False)
     yield n
     n.kernel.uevent_source.close()
+
+
+@pytest.fixture
+def bare_root(tmp_path: Path) -> Path:
+    """A host root with a kernel release and no module loaded: a node without the GPU
+    stack, as the command line and the daemon's own guards meet one."""
+    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
+    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
+    (tmp_path / "sys/module").mkdir(parents=True)
+    return tmp_path

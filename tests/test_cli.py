@@ -27,16 +27,8 @@ def run_cli(*args: str, timeout: float = WAIT) -> subprocess.CompletedProcess[st
     )
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
-    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
-    (tmp_path / "sys/module").mkdir(parents=True)
-    return tmp_path
-
-
-def test_check_json_schema_on_a_node_without_gpu_stack(root: Path) -> None:
-    p = run_cli("check", "--host-root", str(root), "--json")
+def test_check_json_schema_on_a_node_without_gpu_stack(bare_root: Path) -> None:
+    p = run_cli("check", "--host-root", str(bare_root), "--json")
     assert p.returncode == 1, p.stderr
     doc = json.loads(p.stdout)
     assert doc["kernel"] == "6.1.0-test"
@@ -49,39 +41,39 @@ def test_check_json_schema_on_a_node_without_gpu_stack(root: Path) -> None:
     assert isinstance(peermem["evidence"], dict)
 
 
-def test_run_once_observe_publishes_status_and_no_gate(root: Path) -> None:
-    p = run_cli("run", "--once", "--host-root", str(root))
+def test_run_once_observe_publishes_status_and_no_gate(bare_root: Path) -> None:
+    p = run_cli("run", "--once", "--host-root", str(bare_root))
     assert p.returncode == 0, p.stderr
-    status = json.loads((root / "run/nodeagent/status.json").read_text())
+    status = json.loads((bare_root / "run/nodeagent/status.json").read_text())
     assert status["mode"] == "observe" and status["guards"]["peermem"]["verdict"] == "closed"
-    assert not (root / "run/nodeagent/peermem.gate").exists()
+    assert not (bare_root / "run/nodeagent/peermem.gate").exists()
     # stderr logs are JSON lines
     lines = [json.loads(line) for line in p.stderr.splitlines() if line.strip()]
     assert lines and all("level" in rec and "msg" in rec for rec in lines)
-    s = run_cli("status", "--host-root", str(root))
+    s = run_cli("status", "--host-root", str(bare_root))
     assert (
         s.returncode == 0 and "peermem: closed" in s.stdout and "nvidia is not loaded" in s.stdout
     )
 
 
-def test_status_without_agent_says_so(root: Path) -> None:
-    s = run_cli("status", "--host-root", str(root))
+def test_status_without_agent_says_so(bare_root: Path) -> None:
+    s = run_cli("status", "--host-root", str(bare_root))
     assert s.returncode == 1 and "has not run" in s.stdout
 
 
-def test_sigterm_stops_the_daemon_within_two_seconds(root: Path) -> None:
+def test_sigterm_stops_the_daemon_within_two_seconds(bare_root: Path) -> None:
     """Exit 0 and a last "stop" record say the loop itself returned. The deadline here
     only catches the hang (a daemon that ignores SIGTERM sleeps until its resync, an
     hour)."""
     proc = subprocess.Popen(
         # No metrics endpoint: a fixed port would collide with concurrent runs.
-        [PY, "-m", "nodeagent", "run", "--host-root", str(root), "--metrics-address", "off"],
+        [PY, "-m", "nodeagent", "run", "--host-root", str(bare_root), "--metrics-address", "off"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        status = root / "run/nodeagent/status.json"
+        status = bare_root / "run/nodeagent/status.json"
         until(status.exists, "daemon never completed a pass")
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=WAIT)  # TimeoutExpired: SIGTERM did not stop it
@@ -91,7 +83,7 @@ def test_sigterm_stops_the_daemon_within_two_seconds(root: Path) -> None:
     assert rc == 0
     kinds = [
         json.loads(line)["kind"]
-        for line in (root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
+        for line in (bare_root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
     ]
     assert kinds[0] == "start" and kinds[-1] == "stop"
 
@@ -119,21 +111,23 @@ sys.exit(main(["run", "--host-root", sys.argv[1], "--metrics-address", "off"]))
 """
 
 
-def test_sigterm_during_a_slow_pass_finishes_it_and_exits_0(root: Path, tmp_path: Path) -> None:
+def test_sigterm_during_a_slow_pass_finishes_it_and_exits_0(
+    bare_root: Path, tmp_path: Path
+) -> None:
     """A pass in flight when SIGTERM comes is finished, then the loop stops: exit 0, the
     last record "stop". Before: a pass past the 1.5 s grace made it exit 143 (issue 55).
     The deadline only catches the hang."""
     marks = tmp_path / "marks"
     marks.mkdir()
     proc = subprocess.Popen(
-        [PY, "-c", SLOW_PASS_AGENT, str(root), str(marks / "in-pass")],
+        [PY, "-c", SLOW_PASS_AGENT, str(bare_root), str(marks / "in-pass")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        until((root / "run/nodeagent/status.json").exists, "daemon never completed a pass")
-        ready = root / "run/mellanox/drivers/.driver-ready"  # a watched file: a pass
+        until((bare_root / "run/nodeagent/status.json").exists, "daemon never completed a pass")
+        ready = bare_root / "run/mellanox/drivers/.driver-ready"  # a watched file: a pass
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.touch()
         until((marks / "in-pass").exists, "the second pass never began")
@@ -145,15 +139,15 @@ def test_sigterm_during_a_slow_pass_finishes_it_and_exits_0(root: Path, tmp_path
     assert rc == 0, proc.stderr.read() if proc.stderr else ""
     kinds = [
         json.loads(line)["kind"]
-        for line in (root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
+        for line in (bare_root / "var/lib/nodeagent/timeline.jsonl").read_text().splitlines()
     ]
     assert kinds[-1] == "stop"
 
 
 def test_wait_peermem_returns_when_the_gate_file_appears(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    bare_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate = root / "run/nodeagent/peermem.gate"
+    gate = bare_root / "run/nodeagent/peermem.gate"
     first_read = threading.Event()
     done = threading.Event()
     dir_at_first_read: list[bool] = []
@@ -171,7 +165,7 @@ def test_wait_peermem_returns_when_the_gate_file_appears(
         if not first_read.wait(WAIT):
             return
         dir_at_first_read.append(gate.parent.exists())
-        gates = GateFiles(HostRoot(root), "run/nodeagent")
+        gates = GateFiles(HostRoot(bare_root), "run/nodeagent")
         while not done.is_set():  # renewed as the agent's loop does, until wait answers
             gates.confirm("peermem", time.time())
             done.wait(RENEW_S)
@@ -179,7 +173,7 @@ def test_wait_peermem_returns_when_the_gate_file_appears(
     t = threading.Thread(target=open_gate)
     t.start()
     try:
-        rc = main(["wait", "peermem", "--host-root", str(root), "--timeout", str(WAIT)])
+        rc = main(["wait", "peermem", "--host-root", str(bare_root), "--timeout", str(WAIT)])
     finally:
         done.set()
         t.join()
@@ -187,17 +181,17 @@ def test_wait_peermem_returns_when_the_gate_file_appears(
     assert rc == 0 and gate.exists()
 
 
-def test_wait_peermem_times_out_with_exit_1(root: Path) -> None:
-    p = run_cli("wait", "peermem", "--host-root", str(root), "--timeout", "0.3")
+def test_wait_peermem_times_out_with_exit_1(bare_root: Path) -> None:
+    p = run_cli("wait", "peermem", "--host-root", str(bare_root), "--timeout", "0.3")
     assert p.returncode == 1 and "timed out" in p.stderr
 
 
-def test_env_host_root_is_used(root: Path) -> None:
+def test_env_host_root_is_used(bare_root: Path) -> None:
     p = subprocess.run(
         [PY, "-m", "nodeagent", "check"],
         capture_output=True,
         text=True,
-        env={**os.environ, "NODEAGENT_HOST_ROOT": str(root)},
+        env={**os.environ, "NODEAGENT_HOST_ROOT": str(bare_root)},
         timeout=30,
     )
     assert p.returncode == 1 and "kernel 6.1.0-test" in p.stdout

@@ -40,29 +40,21 @@ REPO = Path(__file__).resolve().parents[1]
 NO_METRICS = ("--metrics-address", "off")
 
 
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    (tmp_path / "proc/sys/kernel").mkdir(parents=True)
-    (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
-    (tmp_path / "sys/module").mkdir(parents=True)
-    return tmp_path
-
-
 # -- one agent per node ----------------------------------------------------------
 
 
-def test_a_second_agent_refuses_and_the_first_keeps_working(root: Path) -> None:
+def test_a_second_agent_refuses_and_the_first_keeps_working(bare_root: Path) -> None:
     first = subprocess.Popen(
-        [PY, "-m", "nodeagent", "run", "--host-root", str(root), *NO_METRICS],
+        [PY, "-m", "nodeagent", "run", "--host-root", str(bare_root), *NO_METRICS],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    status = root / "run/nodeagent/status.json"
+    status = bare_root / "run/nodeagent/status.json"
     try:
         until(status.exists, "the first agent's first pass")
         before = json.loads(status.read_text())["time"]
         second = subprocess.run(
-            [PY, "-m", "nodeagent", "run", "--host-root", str(root)],
+            [PY, "-m", "nodeagent", "run", "--host-root", str(bare_root)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -71,11 +63,11 @@ def test_a_second_agent_refuses_and_the_first_keeps_working(root: Path) -> None:
         assert second.stderr.count("\n") == 1 and f"(pid {first.pid})" in second.stderr
         assert "run/nodeagent/agent.lock" in second.stderr and "Traceback" not in second.stderr
         # The first one still reconciles: a marker change wakes it for another pass.
-        (root / "run/mellanox/drivers").mkdir(parents=True, exist_ok=True)
-        (root / READY).touch()
+        (bare_root / "run/mellanox/drivers").mkdir(parents=True, exist_ok=True)
+        (bare_root / READY).touch()
         until(lambda: json.loads(status.read_text())["time"] > before, "another pass")
         assert first.poll() is None
-        kinds = [json.loads(x)["kind"] for x in (root / "var/lib/nodeagent/timeline.jsonl")
+        kinds = [json.loads(x)["kind"] for x in (bare_root / "var/lib/nodeagent/timeline.jsonl")
                  .read_text().splitlines()]  # fmt: skip
         assert kinds.count("start") == 1, "the refused agent wrote nothing"
     finally:
@@ -83,19 +75,19 @@ def test_a_second_agent_refuses_and_the_first_keeps_working(root: Path) -> None:
         assert first.wait(timeout=WAIT) == 0
 
 
-def test_the_lock_is_released_when_the_holder_dies(root: Path) -> None:
+def test_the_lock_is_released_when_the_holder_dies(bare_root: Path) -> None:
     holder = subprocess.Popen(
-        [PY, "-m", "nodeagent", "run", "--host-root", str(root), *NO_METRICS],
+        [PY, "-m", "nodeagent", "run", "--host-root", str(bare_root), *NO_METRICS],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        until((root / "run/nodeagent/status.json").exists, "first pass")
+        until((bare_root / "run/nodeagent/status.json").exists, "first pass")
     finally:
         holder.kill()
         holder.wait(timeout=WAIT)
     again = subprocess.run(
-        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(root)],
+        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(bare_root)],
         capture_output=True,
         text=True,
         timeout=30,
@@ -103,27 +95,27 @@ def test_the_lock_is_released_when_the_holder_dies(root: Path) -> None:
     assert again.returncode == 0, again.stderr
 
 
-def test_a_second_agent_with_another_state_dir_is_refused_too(root: Path) -> None:
+def test_a_second_agent_with_another_state_dir_is_refused_too(bare_root: Path) -> None:
     """The lock is per host root, not per state dir: before, a second agent configured
     with ``[paths] state_dir`` elsewhere ran beside the first."""
     first = subprocess.Popen(
-        [PY, "-m", "nodeagent", "run", "--host-root", str(root), "--metrics-address", "off"],
+        [PY, "-m", "nodeagent", "run", "--host-root", str(bare_root), "--metrics-address", "off"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    config = root.parent / f"{root.name}-other.toml"
+    config = bare_root.parent / f"{bare_root.name}-other.toml"
     config.write_text('[paths]\nstate_dir = "var/run/nodeagent-other"\n')
     try:
-        until((root / "run/nodeagent/status.json").exists, "the first agent's first pass")
+        until((bare_root / "run/nodeagent/status.json").exists, "the first agent's first pass")
         second = subprocess.run(
-            [PY, "-m", "nodeagent", "run", "--host-root", str(root), "--config", str(config)],
+            [PY, "-m", "nodeagent", "run", "--host-root", str(bare_root), "--config", str(config)],
             capture_output=True,
             text=True,
             timeout=30,
         )
         assert second.returncode == 2, second.stderr
         assert second.stderr.count("\n") == 1 and f"(pid {first.pid})" in second.stderr
-        assert not (root / "var/run/nodeagent-other").exists()
+        assert not (bare_root / "var/run/nodeagent-other").exists()
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=WAIT) == 0
@@ -148,17 +140,17 @@ def run_once(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     ids=["lock-is-a-directory", "lock-dir-is-a-file", "run-links-out"],
 )
 def test_a_lock_that_cannot_be_made_is_one_line_not_a_traceback(
-    root: Path, plant: Any, words: str
+    bare_root: Path, plant: Any, words: str
 ) -> None:
-    plant(root)
-    p = run_once(root)
+    plant(bare_root)
+    p = run_once(bare_root)
     assert p.returncode in (1, 2), p.stderr
     assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert p.stderr.startswith("nodeagent: error: ") and words in p.stderr
 
 
-def test_orphaned_temp_files_of_killed_writes_are_removed_at_start(root: Path) -> None:
-    state, timeline = root / "run/nodeagent", root / "var/lib/nodeagent"
+def test_orphaned_temp_files_of_killed_writes_are_removed_at_start(bare_root: Path) -> None:
+    state, timeline = bare_root / "run/nodeagent", bare_root / "var/lib/nodeagent"
     state.mkdir(parents=True)
     timeline.mkdir(parents=True)
     orphans = [
@@ -172,19 +164,19 @@ def test_orphaned_temp_files_of_killed_writes_are_removed_at_start(root: Path) -
     for f in kept:
         f.write_text("not ours")
     (state / ".evil.tmp.9").symlink_to("/etc/hostname")  # never followed; left
-    p = run_once(root)
+    p = run_once(bare_root)
     assert p.returncode in (0, 1), p.stderr
     assert not any(f.exists() for f in orphans)
     assert all(f.exists() for f in kept) and (state / ".evil.tmp.9").is_symlink()
 
 
 def test_orphaned_temp_files_of_exporters_are_removed_at_start_and_only_their_own(
-    root: Path,
+    bare_root: Path,
 ) -> None:
     """NPD's directory is the agent's own: every killed write's temp file there goes. NFD's
     features.d is shared with other writers: only temps of the agent's own file go."""
-    features = root / "etc/kubernetes/node-feature-discovery/features.d"
-    npd = root / "run/nodeagent/npd"
+    features = bare_root / "etc/kubernetes/node-feature-discovery/features.d"
+    npd = bare_root / "run/nodeagent/npd"
     (npd / "events").mkdir(parents=True)
     features.mkdir(parents=True)
     orphans = [npd / ".heartbeat.tmp.7", npd / "events/.PeermemLoadFailed.tmp.3"]
@@ -192,16 +184,16 @@ def test_orphaned_temp_files_of_exporters_are_removed_at_start_and_only_their_ow
     kept = [features / ".gpu-features.tmp.12"]  # another writer's, mid-write for all we know
     for f in orphans + kept:
         f.write_text("half a write")
-    config = root / "agent.toml"
+    config = bare_root / "agent.toml"
     config.write_text("[labels]\nnfd = true\n\n[npd]\nenabled = true\n")
-    p = run_once(root, "--config", str(config))
+    p = run_once(bare_root, "--config", str(config))
     assert p.returncode in (0, 1), p.stderr
     assert [f.name for f in orphans if f.exists()] == []
     assert all(f.exists() for f in kept)
 
 
 def test_the_lock_holds_when_its_pid_cannot_be_written(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    bare_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from nodeagent.host import agentlock
 
@@ -209,11 +201,11 @@ def test_the_lock_holds_when_its_pid_cannot_be_written(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(agentlock.os, "pwrite", full)
-    lock = agentlock.AgentLock(HostRoot(str(root)))
+    lock = agentlock.AgentLock(HostRoot(str(bare_root)))
     lock.acquire()
     try:
         with pytest.raises(agentlock.AgentRunning, match="unknown pid"):
-            agentlock.AgentLock(HostRoot(str(root))).acquire()
+            agentlock.AgentLock(HostRoot(str(bare_root))).acquire()
     finally:
         lock.release()
 
@@ -233,25 +225,25 @@ def _tmpfs(where: Path, size: str) -> str | None:
     return None if p.returncode == 0 else f"cannot mount a tmpfs here: {p.stderr.strip()}"
 
 
-def test_a_full_run_at_first_start_starts_and_says_why_nothing_is_written(root: Path) -> None:
+def test_a_full_run_at_first_start_starts_and_says_why_nothing_is_written(bare_root: Path) -> None:
     """A 64 KiB tmpfs as /run, full: the agent holds its lock, runs its pass, and names
     each write that failed; before, the pid write into the lock raised a traceback and
     the pod crash-looped."""
-    why = _tmpfs(root / "run", "64k")
+    why = _tmpfs(bare_root / "run", "64k")
     if why is not None:
         # Covered without a mount: test_the_lock_holds_when_its_pid_cannot_be_written and
         # test_gate_property's failing writes.
         pytest.skip(why)
     try:
-        with contextlib.suppress(OSError), open(root / "run/fill", "wb") as fh:
+        with contextlib.suppress(OSError), open(bare_root / "run/fill", "wb") as fh:
             while True:
                 fh.write(b"\0" * 4096)
-        p = run_once(root)
+        p = run_once(bare_root)
         assert "Traceback" not in p.stderr, p.stderr
         assert p.returncode == 0, p.stderr
         assert "memory save failed: No space left on device" in p.stderr
     finally:
-        subprocess.run(["umount", str(root / "run")], check=False, timeout=10)
+        subprocess.run(["umount", str(bare_root / "run")], check=False, timeout=10)
 
 
 # -- SIGTERM whatever the agent is doing ---------------------------------------------
@@ -268,13 +260,13 @@ sys.exit(main(["run", "--host-root", sys.argv[1], "--metrics-address", "off"]))
 """
 
 
-def test_sigterm_stops_a_daemon_stuck_in_a_pass_within_two_seconds(root: Path) -> None:
+def test_sigterm_stops_a_daemon_stuck_in_a_pass_within_two_seconds(bare_root: Path) -> None:
     """The promise is the agent's grace (1.5 s, cli.py): that it was what ended the stuck
     pass is read from its words and exit status; the deadline here only catches the hang
     (the pass would last an hour) without depending on how quickly a busy machine exits."""
-    in_pass = root.parent / f"{root.name}-in-pass"
+    in_pass = bare_root.parent / f"{bare_root.name}-in-pass"
     proc = subprocess.Popen(
-        [PY, "-c", STUCK_AGENT, str(root), str(in_pass)],
+        [PY, "-c", STUCK_AGENT, str(bare_root), str(in_pass)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -464,9 +456,9 @@ def test_status_tells_a_dead_agent_from_an_idle_one(
 # -- the command line ---------------------------------------------------------------
 
 
-def test_output_to_a_closed_pipe_exits_quietly(root: Path) -> None:
+def test_output_to_a_closed_pipe_exits_quietly(bare_root: Path) -> None:
     proc = subprocess.Popen(
-        [PY, "-m", "nodeagent", "check", "--host-root", str(root), "--json"],
+        [PY, "-m", "nodeagent", "check", "--host-root", str(bare_root), "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -477,15 +469,15 @@ def test_output_to_a_closed_pipe_exits_quietly(root: Path) -> None:
 
 
 def test_status_json_keeps_the_agents_document_and_adds_liveness(
-    root: Path, capsys: pytest.CaptureFixture[str]
+    bare_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     once = subprocess.run(
-        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(root)],
+        [PY, "-m", "nodeagent", "run", "--once", "--host-root", str(bare_root)],
         capture_output=True,
         timeout=30,
     )
     assert once.returncode == 0
-    assert main(["status", "--host-root", str(root), "--json"]) == 0
+    assert main(["status", "--host-root", str(bare_root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["guards"]["peermem"]["verdict"] == "closed" and doc["mode"] == "observe"
     assert doc["agent"]["reconciling"] is True
