@@ -47,7 +47,7 @@ def test_opener_may_load_reads_the_capability_and_the_namespace(tmp_path: Path) 
 
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare(1) here")
 def test_only_an_opener_that_can_load_a_module_is_held(
-    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+    driver_tree: tuple[Path, Path], modprobe: str
 ) -> None:
     root, driver = driver_tree
     with loaders() as procs, agent_here(root) as (agent, node):

@@ -113,7 +113,6 @@ def _opens_complete(path: Path, n: int) -> None:
 
 
 def test_a_stopped_agent_stalls_no_open_and_a_killed_one_leaves_its_responder_holding(
-    tmp_path: Path,
     driver_tree: tuple[Path, Path],
     modprobe: str,
 ) -> None:
@@ -190,7 +189,7 @@ class _Stall:
 
 
 def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(
-    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+    driver_tree: tuple[Path, Path], modprobe: str
 ) -> None:
     root, driver = driver_tree
     stall = _Stall(seconds=10.0)
@@ -236,7 +235,6 @@ def test_a_stalled_loop_lets_the_lease_run_out_loads_wait_other_opens_go(
 
 
 def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
-    tmp_path: Path,
     driver_tree: tuple[Path, Path],
     modprobe: str,
 ) -> None:
@@ -277,7 +275,6 @@ def test_a_dead_responder_lets_its_held_opens_go_and_a_new_one_holds_again(
 
 
 def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_off(
-    tmp_path: Path,
     driver_tree: tuple[Path, Path],
 ) -> None:
     from nodeagent.guards.peermem.side import RESTARTS_MAX
@@ -318,7 +315,6 @@ def test_a_responder_that_keeps_dying_is_replaced_five_times_then_the_hold_is_of
 
 
 def test_a_stuck_responder_is_killed_its_held_opens_go_and_a_new_one_answers(
-    tmp_path: Path,
     driver_tree: tuple[Path, Path],
     modprobe: str,
 ) -> None:
@@ -620,7 +616,7 @@ def _openers(fd: int) -> set[int]:
 
 
 def test_once_ready_the_responder_opens_no_file_where_its_code_lives(
-    tmp_path: Path, driver_tree: tuple[Path, Path], modprobe: str
+    driver_tree: tuple[Path, Path], modprobe: str
 ) -> None:
     """What it must never do: open a file on a filesystem that may be marked, and wait on
     itself. A notification group watches the filesystems of its Python and of this
@@ -692,9 +688,7 @@ def test_a_responder_that_cannot_start_is_one_line_and_leaves_no_descriptor(
     assert len(os.listdir("/proc/self/fd")) == before - 1  # the group's, and nothing else
 
 
-def test_a_pass_opens_no_file_on_the_marked_filesystem(
-    tmp_path: Path, driver_tree: tuple[Path, Path]
-) -> None:
+def test_a_pass_opens_no_file_on_the_marked_filesystem(driver_tree: tuple[Path, Path]) -> None:
     """The agent reads the GPU driver's tree at every pass (nvidia-peermem.ko, its
     dependency, modules.dep), and that tree is on the filesystem the hold marks. A pass
     identifies them without opening them (O_PATH), so it costs the responder nothing:
