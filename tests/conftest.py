@@ -29,14 +29,25 @@ settings.register_profile("nodeagent", deadline=None, suppress_health_check=[Hea
 settings.load_profile("nodeagent")
 
 
+def _simulated_node(root: Path, *, ready: bool) -> Iterator[Node]:
+    """``tests/healthy.py``'s node on ``root``, its uevent source closed after the test
+    (after the test's own cleanup)."""
+    n = healthy_node(root, ready=ready)
+    yield n
+    n.kernel.uevent_source.close()
+
+
 @pytest.fixture
 def booting_node(tmp_path: Path) -> Iterator[Node]:
     """A GPU node on ``tmp_path`` with MOFED's RDMA stack and nvidia loaded and no ready
-    flag yet (``tests/healthy.py``'s node before MOFED says ready); its uevent source
-    closed after the test."""
-    n = healthy_node(tmp_path, ready=False)
-    yield n
-    n.kernel.uevent_source.close()
+    flag yet."""
+    yield from _simulated_node(tmp_path, ready=False)
+
+
+@pytest.fixture
+def ready_node(tmp_path: Path) -> Iterator[Node]:
+    """The same node once MOFED said ready: the peermem gate opens on it."""
+    yield from _simulated_node(tmp_path, ready=True)
 
 
 @pytest.fixture

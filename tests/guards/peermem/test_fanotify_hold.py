@@ -38,7 +38,7 @@ from nodeagent.host.fanotify import (
     parse_events,
 )
 from tests.guards.peermem.fakes import Clock, FakeSource, FedSource, Opens, OverflowingGroup, capped
-from tests.guards.peermem.rig import mount_tmpfs, records, start_flood
+from tests.guards.peermem.rig import fake_modprobe, mount_tmpfs, records, start_flood
 from tests.waiting import WAIT, until
 
 CONTENT = b"\x7fELF not really a module\n"
@@ -54,7 +54,7 @@ class Marked:
     responder: Responder
 
 
-def _layout(tmp_path: Path) -> tuple[Path, Path, Path, Path, FanotifyGroup]:
+def _layout(tmp_path: Path) -> tuple[Path, Path, Path, str, FanotifyGroup]:
     """A tmpfs with a driver tree (nvidia-peermem.ko and another .ko), a ``modprobe`` (a
     copy of cat: a module loader by name) and a fresh group; skips where either is refused."""
     fs = tmp_path / "fs"
@@ -68,10 +68,7 @@ def _layout(tmp_path: Path) -> tuple[Path, Path, Path, Path, FanotifyGroup]:
     target.write_bytes(CONTENT)
     other = moddir / "nvidia.ko"
     other.write_bytes(b"other\n")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    modprobe = bindir / "modprobe"
-    shutil.copy("/bin/cat", modprobe)
+    modprobe = fake_modprobe(tmp_path)
     try:
         group = FanotifyGroup()
     except OSError as exc:
@@ -90,7 +87,7 @@ def marked(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Marked]:
         gate = threading.Event()
         responder = Responder(group, gate_open=gate.is_set, budget_s=budget)
         responder.start()
-        yield Marked(fs, target, other, str(modprobe), gate, responder)
+        yield Marked(fs, target, other, modprobe, gate, responder)
     finally:
         if responder is not None:
             responder.stop()  # closes the group: the kernel allows whatever is pending
@@ -117,7 +114,7 @@ def marked_flood(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Mar
             apart=spawner(group, budget_s=60.0) if request.param == "process" else None,
         )
         assert responder is not None and marked == ["fs"] and problems == []
-        yield Marked(fs, target, other, str(modprobe), gate, responder)
+        yield Marked(fs, target, other, modprobe, gate, responder)
     finally:
         if responder is not None:
             responder.stop()
@@ -332,8 +329,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         (ko,) = driver.rglob("nvidia-peermem.ko*")
         other = driver / "not-a-module"
         other.write_bytes(b"other\n")
-        modprobe = tmp_path / "modprobe"
-        shutil.copy("/bin/cat", modprobe)
+        modprobe = fake_modprobe(tmp_path)
         pol = PeermemPolicy(hold_loads="fanotify", hold_roots=("run/nvidia/driver",))
         cfg = Config(
             host_root=str(tmp_path), mode="enforce", uevents=False, policies={"peermem": pol}
@@ -347,7 +343,7 @@ def test_the_agent_holds_a_loader_until_its_gate_opens(tmp_path: Path) -> None:
         hold = side.hold
         assert hold is not None and side.marked == ["run/nvidia/driver"]
         assert getattr(hold, "pid", None) not in (None, os.getpid())  # a process apart
-        proc = subprocess.Popen([str(modprobe), str(ko)], stdout=subprocess.PIPE)
+        proc = subprocess.Popen([modprobe, str(ko)], stdout=subprocess.PIPE)
         try:
             until(lambda: proc.pid in [h[0] for h in hold.held()], "the loader was not held")
             two_rounds_later(other)  # answered by the process apart, the loader still held

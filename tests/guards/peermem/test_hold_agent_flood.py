@@ -19,7 +19,6 @@ subprocess would load the simulated ``.ko`` for real).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -29,7 +28,6 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
@@ -38,7 +36,7 @@ from nodeagent.host.ports import HostPorts
 from nodeagent.loop.exporters import build_exporters
 from nodeagent.loop.wiring import build_agent
 from nodeagent.sim.node import GATE, READY
-from tests.guards.peermem.rig import driver_root, records, start_flood
+from tests.guards.peermem.rig import driver_root, hold_status, of_kind, records, start_flood
 from tests.healthy import healthy_node
 from tests.waiting import WAIT, until
 
@@ -93,17 +91,9 @@ def test_a_flood_of_held_opens_leaves_the_agent_answering_and_its_gate_working(
         agent = build_agent(cfg, ports, exporters=exporters)
         thread = threading.Thread(target=agent.run, name="nodeagent", daemon=True)
         thread.start()
-        status = root / "run/nodeagent/status.json"
         timeline = root / "var/lib/nodeagent/timeline.jsonl"
 
-        def hold() -> dict[str, Any] | None:
-            try:
-                got = json.loads(status.read_text()).get("hold")
-            except (OSError, ValueError):
-                return None
-            return got if isinstance(got, dict) else None
-
-        until(lambda: (hold() or {}).get("marked") == ["run/nvidia/driver"], "the hold's start")
+        until(lambda: hold_status(root).get("marked") == ["run/nvidia/driver"], "the hold's start")
         assert not (root / GATE).exists(), "the gate is open without MOFED's ready flag"
         until(lambda: healthz(port) == 200, "the agent's /healthz")  # served after start
 
@@ -111,7 +101,7 @@ def test_a_flood_of_held_opens_leaves_the_agent_answering_and_its_gate_working(
 
         over = PROCS * THREADS - HELD_PER_CONTAINER
         (notice,) = until(
-            lambda: [r for r in records(timeline) if r.get("kind") == "hold-over-cap"],
+            lambda: of_kind(timeline, "hold-over-cap"),
             "the opens past the cap were not recorded",
         )
         assert notice["count"] == over and notice["past_container_cap"] == over
@@ -123,7 +113,7 @@ def test_a_flood_of_held_opens_leaves_the_agent_answering_and_its_gate_working(
         # Status is written after the pass's records (one append, then status.json): the
         # pass that recorded the notice may not have written its status yet.
         now = until(
-            lambda: (s := hold()) and s.get("counts", {}).get("over_cap") == over and s,
+            lambda: (s := hold_status(root)) and s.get("counts", {}).get("over_cap") == over and s,
             "status did not count the opens past the cap",
         )
         assert now["responder"] == "answering" and now["gate_open"] is False
@@ -137,7 +127,7 @@ def test_a_flood_of_held_opens_leaves_the_agent_answering_and_its_gate_working(
         # MOFED gone again: the gate is withdrawn.
         (root / READY).unlink()
         until(lambda: not (root / GATE).exists(), "the gate file was not withdrawn")
-        until(lambda: (hold() or {}).get("gate_open") is False, "the hold's gate did not close")
+        until(lambda: hold_status(root).get("gate_open") is False, "the hold's gate did not close")
 
         def held_opens() -> list[object] | None:
             got = [r["ended"] for r in records(timeline) if r.get("kind") == "held-open"]

@@ -25,7 +25,6 @@ The same on the 6.1 guest: ``tests/realkernel/test_fanotify_hold_real.py``.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from nodeagent.guards.peermem.budget import descriptor_budget
 from nodeagent.guards.peermem.process import ResponderProcess
 from nodeagent.guards.peermem.start import sees_host_pids, spawner, start_hold
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
-from tests.guards.peermem.rig import mount_tmpfs
+from tests.guards.peermem.rig import fake_modprobe, mount_tmpfs
 from tests.waiting import WAIT, until
 
 KVER = "6.1.0-test"
@@ -78,9 +77,7 @@ def hold(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hold]:
     why = mount_tmpfs(fs)
     if why:
         pytest.skip(why)
-    modprobe = tmp_path / "bin/modprobe"
-    modprobe.parent.mkdir()
-    shutil.copy("/bin/cat", modprobe)
+    modprobe = fake_modprobe(tmp_path)
     responder = None
     try:
         group = FanotifyGroup()
@@ -99,7 +96,7 @@ def hold(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Hold]:
         status = until(responder.ignore_status, "the responder's ignore marks")
         if request.param == "auto" and status["mode"] != "evictable":
             pytest.skip(f"this kernel's ignore marks: {status}")
-        yield Hold(fs, str(modprobe), responder, status["mode"])
+        yield Hold(fs, modprobe, responder, status["mode"])
     finally:
         if responder is not None:
             responder.stop()
