@@ -189,13 +189,26 @@ def _closed_within_the_lease(root: Path, agent: object, stuck_at: float) -> None
     assert any(r.get("kind") == "gate-withdrawal" and r.get("ok") is False for r in recs)
 
 
+def _make_immutable(path: Path) -> None:
+    """``chattr +i`` the file at ``path``. The agent renews the gate by renaming a new file
+    over it: a renewal that lands between chattr's open and its ioctl leaves the flag on
+    the file it replaced, and the one at ``path`` is withdrawn as usual. So: until the file
+    at ``path`` is the one chattr flagged (the same inode before and after)."""
+    for _ in range(20):
+        before = os.stat(path).st_ino
+        p = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if p.returncode != 0:
+            pytest.skip(f"this filesystem refuses chattr +i: {p.stderr.strip()}")
+        if os.stat(path).st_ino == before:
+            return
+    raise AssertionError(f"{path} was replaced at each of 20 chattr +i")
+
+
 def test_an_immutable_gate_file_expires_within_the_lease(running: tuple[Path, object]) -> None:
     root, agent = running
     if shutil.which("chattr") is None:
         pytest.skip("chattr (e2fsprogs) is not installed")
-    p = subprocess.run(["chattr", "+i", str(root / GATE)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"this filesystem refuses chattr +i: {p.stderr.strip()}")
+    _make_immutable(root / GATE)
     stuck_at = lease_clock()  # no renewal lands after this
     try:
         _close_decision(root)
