@@ -322,6 +322,8 @@ def cmd_check(cfg: Config, as_json: bool) -> int:
             print(f"{guard}: {v.verdict}")
             for reason in v.reasons:
                 print(f"  - {safe(reason)}")
+            for note in v.notes:
+                print(f"  note: {safe(note)}")
     return EXIT_OK if all(v.ok for v in rec.verdicts.values()) else EXIT_NOT_OK
 
 
@@ -395,6 +397,8 @@ def cmd_status(cfg: Config, as_json: bool) -> int:
         print(verdict)
         for reason in _get(v, "reasons", list, []):
             print(f"  - {safe(reason)}")
+        for note in _get(v, "notes", list, []):
+            print(f"  note: {safe(note)}")
     for p in _get(status, "problems", list, []):
         print(f"problem: {safe(p)}")
     for guard, steps in _get(status, "plans_in_flight", dict, {}).items():

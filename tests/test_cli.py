@@ -195,3 +195,27 @@ def test_env_host_root_is_used(bare_root: Path) -> None:
         timeout=30,
     )
     assert p.returncode == 1 and "kernel 6.1.0-test" in p.stdout
+
+
+def test_check_says_what_the_gate_means_before_the_driver_root_is_mounted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A healthy node whose GPU driver container has not mounted its root yet (the real
+    script mounts it after its own load of nvidia-peermem): open, with the note (issue 65)."""
+    import shutil
+
+    from tests.healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    node.kernel.uevent_source.close()
+    driver = tmp_path / "run/nvidia/driver"
+    assert main(["check", "--host-root", str(tmp_path)]) == 0
+    assert "note:" not in capsys.readouterr().out  # mounted: the file is judged, no note
+    shutil.rmtree(driver)
+    driver.mkdir()  # the mount point, empty
+    assert main(["check", "--host-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "peermem: open\n  note: nvidia-peermem.ko not checked: the GPU driver root" in out
+    assert main(["check", "--host-root", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["guards"]["peermem"]["evidence"]["abi"]["deferred"].startswith("nvidia-peermem")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nodeagent.core.actions import ActionOutcome, LoadModuleFile, UnloadModule
 from nodeagent.core.peermem import PEERMEM, RDMA_STACK, PeermemGate, PeermemMemory, PeermemPolicy
-from nodeagent.core.snapshot import FileId, NodeSnapshot
+from nodeagent.core.snapshot import DiskModule, FileId, NodeSnapshot
 from tests.snapshots import (
     BLACKLIST,
     CRC_OTHER,
@@ -413,3 +413,52 @@ def test_property_no_load_while_any_condition_fails_and_unload_on_restart(seq) -
             assert not unloads
         prev_signals = signals
         mem = d.memory
+
+
+# -- before the GPU driver container has mounted its root (issue 65) ------------------
+# The real `nvidia-driver init` loads nvidia-peermem and only then bind-mounts its root at
+# run/nvidia/driver (gpu-driver-container ubuntu22.04/nvidia-driver 842-843): until then
+# no tree the agent reads has the file.
+
+DRIVER_ROOT = "run/nvidia/driver"
+
+
+def unmounted(snap: NodeSnapshot, listed: tuple[str, ...] = ()) -> NodeSnapshot:
+    gone = DiskModule(
+        name=PEERMEM,
+        path=None,
+        problem=f"not in modules.dep under {DRIVER_ROOT}/lib/modules/k or lib/modules/k",
+    )
+    snap = with_disk(snap, nvidia_peermem=gone)
+    return replace(snap, listings=MappingProxyType({**snap.listings, DRIVER_ROOT: listed}))
+
+
+def test_with_the_driver_root_not_mounted_the_gate_vouches_for_the_stack_and_says_so() -> None:
+    d = decide(unmounted(healthy()))
+    assert d.verdict.verdict == "open" and d.verdict.ok, d.verdict.reasons
+    (note,) = d.verdict.notes
+    assert "not mounted yet" in note and DRIVER_ROOT in note
+    assert d.verdict.evidence["abi"]["deferred"] == note
+    assert d.verdict.to_json()["notes"] == [note]
+    assert d.actions == ()  # nothing to load from: the agent loads nothing
+    assert d.events == ()  # and says nothing each pass: the note is the word
+
+
+def test_with_the_driver_root_not_mounted_a_mofed_restart_still_closes_the_gate() -> None:
+    snap = with_files(unmounted(healthy()), flag(present=False))
+    d = decide(snap)
+    assert d.verdict.verdict == "closed" and not d.verdict.ok
+    assert any("ready flag" in r for r in d.verdict.reasons)
+
+
+def test_a_mounted_driver_root_without_peermem_still_closes_the_gate() -> None:
+    d = decide(unmounted(healthy(), listed=("lib", "usr")))
+    assert d.verdict.verdict == "closed" and d.verdict.notes == ()
+    assert any(r.startswith("cannot verify nvidia_peermem.ko") for r in d.verdict.reasons)
+
+
+def test_an_unreadable_driver_root_is_not_an_unmounted_one() -> None:
+    snap = unmounted(healthy())
+    snap = replace(snap, problems=(f"{DRIVER_ROOT} unreadable: Too many levels of symbolic links",))
+    d = decide(snap)
+    assert d.verdict.verdict == "closed" and d.verdict.notes == ()

@@ -29,14 +29,20 @@ class Verdict:
     ok: bool  # nothing for an operator to act on (``nodeagent check`` exits 0 when all are)
     reasons: tuple[str, ...]  # one per failed condition, in operator words
     evidence: Mapping[str, Any] = field(default_factory=lambda: EMPTY)
+    # What a verdict rests on that an operator should know, reasons or none (an open gate
+    # that could not check something, and why that is expected there).
+    notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "verdict": self.verdict,
             "ok": self.ok,
             "reasons": list(self.reasons),
             "evidence": self.evidence,
         }
+        if self.notes:
+            doc["notes"] = list(self.notes)
+        return doc
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from nodeagent.core.mofed import (
 )
 from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
 from nodeagent.core.paths import HostPaths
-from nodeagent.core.snapshot import FileId, NodeSnapshot
+from nodeagent.core.snapshot import DiskModule, FileId, NodeSnapshot
 from nodeagent.core.telemetry import MetricFamily, Sample
 from nodeagent.errors import NodeagentError
 
@@ -191,7 +191,7 @@ class PeermemGate:
             ),
             files=self.mofed.files,
             present_if_odd=frozenset({self.mofed.blacklist}),
-            listings=frozenset({paths.validations, paths.memory_peers}),
+            listings=frozenset({paths.validations, paths.memory_peers, paths.gpu_driver_root}),
             texts=frozenset({paths.nvidia_version}),
             pci=self.policy.enabled == "auto",
         )
@@ -283,6 +283,7 @@ class PeermemGate:
         events: list[str] = []
         evidence: dict[str, Any] = {"mofed_mode": pol.mofed}
         reasons: list[str] = []
+        notes: list[str] = []  # what an open gate rests on that an operator should know
         holding: list[str] = []  # the PEERMEM_CONDITIONS that fail, for the metrics
 
         def fail(condition: str, reason: str) -> None:
@@ -376,10 +377,25 @@ class PeermemGate:
 
         # 6. ABI preflight: only meaningful once the stack is otherwise right.
         peermem_disk = snap.disk_module(PEERMEM)
-        abi_reasons, abi_ev = abi_mismatches(
-            peermem_disk,
-            {d: (snap.module(d), snap.disk_module(d)) for d in peermem_disk.depends},
-        )
+        unmounted = self._driver_root_unmounted(snap, peermem_disk)
+        if unmounted is not None:
+            # The GPU driver container loads peermem from its own root and mounts that
+            # root here only after the load (nvidia-driver init: _load_driver, then
+            # _mount_rootfs): no file to judge yet, and none the agent could load. The
+            # gate vouches for the stack; the hold judges the file a loader opens.
+            abi_reasons: list[str] = []
+            abi_ev: dict[str, Any] = {
+                "checked": [],
+                "unverifiable": [],
+                "mismatched": [],
+                "deferred": unmounted,
+            }
+            notes.append(unmounted)
+        else:
+            abi_reasons, abi_ev = abi_mismatches(
+                peermem_disk,
+                {d: (snap.module(d), snap.disk_module(d)) for d in peermem_disk.depends},
+            )
         evidence["abi"] = abi_ev
         for r in abi_reasons:
             fail("abi_crcs_match", r)
@@ -418,6 +434,7 @@ class PeermemGate:
             ok=not reasons,
             reasons=tuple(reasons),
             evidence=evidence,
+            notes=tuple(notes),
         )
 
         actions, wake_at, more_events = self._actions(snap, memory, verdict, signals, restart_began)
@@ -481,6 +498,8 @@ class PeermemGate:
         if memory.retry_at is not None and snap.now < memory.retry_at:
             return (), memory.retry_at, events
         disk = snap.disk_module(PEERMEM)
+        if (verdict.evidence.get("abi") or {}).get("deferred"):
+            return (), None, events  # no driver root yet: nothing to load from (its note)
         if disk.path is None or disk.problem:
             if memory.last_error is None:
                 events.append(
@@ -496,6 +515,22 @@ class PeermemGate:
             reason="peermem gate open: the RDMA stack under it is loaded, live and final",
         )
         return (load,), None, events
+
+    def _driver_root_unmounted(self, snap: NodeSnapshot, disk: DiskModule) -> str | None:
+        """What the gate means while the GPU driver root is not mounted (empty or absent,
+        and ``nvidia-peermem.ko`` in no tree): the note saying so; None otherwise. An
+        unreadable root is not an empty one: it stays a reason (fail closed)."""
+        root = self.paths.gpu_driver_root
+        if disk.path is not None or snap.listing(root):
+            return None
+        if any(p.startswith(f"{root} unreadable") for p in snap.problems):
+            return None
+        return (
+            f"nvidia-peermem.ko not checked: the GPU driver root {root} is not mounted yet "
+            "(the GPU driver container mounts it only after its own load of nvidia-peermem) "
+            "and no tree has one: the gate vouches for the RDMA stack only, and the agent "
+            "loads nothing until the root is mounted"
+        )
 
     def on_stop(self, memory: PeermemMemory) -> tuple[()]:
         return ()  # nvidia_peermem stays as it is: the next agent judges it afresh
