@@ -14,6 +14,7 @@ from nodeagent.core.peermem import PEERMEM, RDMA_STACK, PeermemGate, PeermemMemo
 from nodeagent.core.snapshot import DiskModule, FileId, NodeSnapshot
 from tests.snapshots import (
     BLACKLIST,
+    CRC_OK,
     CRC_OTHER,
     GEN_A,
     GEN_B,
@@ -462,3 +463,71 @@ def test_an_unreadable_driver_root_is_not_an_unmounted_one() -> None:
     snap = replace(snap, problems=(f"{DRIVER_ROOT} unreadable: Too many levels of symbolic links",))
     d = decide(snap)
     assert d.verdict.verdict == "closed" and d.verdict.notes == ()
+
+
+# -- the held file judged, not the one by its name on disk (issue 65) -----------------
+
+HELD_PATH = "/lib/modules/k/kernel/drivers/video/nvidia-peermem.ko"
+
+
+def held(crc: int = CRC_OK, vermagic: str | None = None, problem: str | None = None):
+    from nodeagent.core.snapshot import HeldModule
+
+    mod = DiskModule(
+        name=PEERMEM,
+        path=HELD_PATH,
+        depends=("ib_core", "nvidia"),
+        required_crcs=MappingProxyType(dict.fromkeys(PEER_SYMS, crc)),
+        problem=problem,
+    )
+    return HeldModule((1, 2, 3, 4), HELD_PATH, mod, vermagic)
+
+
+def with_held(snap: NodeSnapshot, *files) -> NodeSnapshot:
+    return replace(unmounted(snap), held=files)
+
+
+def test_a_held_file_that_agrees_with_the_final_stack_goes() -> None:
+    d = decide(with_held(healthy(), held(vermagic=f"{healthy().kernel} SMP mod_unload")))
+    (entry,) = d.verdict.evidence["held"]
+    assert entry["verdict"] == "go" and entry["file"] == [1, 2, 3, 4]
+    assert "agrees with it (2 symbol CRCs checked)" in entry["reason"]
+    assert d.verdict.verdict == "open"
+
+
+def test_a_held_file_waits_while_the_stack_is_not_final_whatever_its_crcs() -> None:
+    snap = with_files(with_held(healthy(), held(), held(CRC_OTHER)), flag(present=False))
+    d = decide(snap)
+    assert [e["verdict"] for e in d.verdict.evidence["held"]] == ["wait", "wait"]
+    assert "ready flag" in d.verdict.evidence["held"][1]["reason"]
+    assert d.verdict.verdict == "closed"
+
+
+def test_a_held_file_built_against_another_ib_core_is_let_go_as_rebuild_naming_both_crcs() -> None:
+    d = decide(with_held(healthy(), held(CRC_OTHER)))
+    (entry,) = d.verdict.evidence["held"]
+    assert entry["verdict"] == "rebuild"
+    sym = "ib_register_peer_memory_client"
+    assert f"needs {sym} CRC {CRC_OTHER:#010x}" in entry["reason"]
+    assert f"exports {CRC_OK:#010x}" in entry["reason"]
+    # The gate says so too: recreate the driver pod; what it holds is let go.
+    assert d.verdict.verdict == "rebuild" and not d.verdict.ok
+    assert d.verdict.reasons[0].startswith(entry["reason"])
+    assert d.verdict.evidence["release_held"] is True
+
+
+def test_an_unreadable_held_file_is_never_trusted() -> None:
+    d = decide(with_held(healthy(), held(problem="truncated ELF")))
+    (entry,) = d.verdict.evidence["held"]
+    assert entry["verdict"] == "wait" and "cannot verify the held" in entry["reason"]
+
+
+def test_a_held_file_for_another_kernel_is_let_go_as_rebuild() -> None:
+    d = decide(with_held(healthy(), held(vermagic="6.99.0-other SMP mod_unload")))
+    (entry,) = d.verdict.evidence["held"]
+    assert entry["verdict"] == "rebuild" and "built for kernel 6.99.0-other" in entry["reason"]
+
+
+def test_the_gate_needs_the_held_files_only_with_the_hold_on() -> None:
+    assert not GATE.needs().held
+    assert PeermemGate(PeermemPolicy(hold_loads="fanotify")).needs().held

@@ -55,6 +55,7 @@ class Needs:
     nvme: bool = False  # NVMe controllers (/sys/class/nvme) and NVMe-oF target ports (configfs)
     sriov: bool = False  # SR-IOV PFs and their VFs, through netlink
     pci: bool = False  # every PCI function's vendor and class (what the node has)
+    held: bool = False  # the module files a loader's open of is held now (the hold's)
 
     @staticmethod
     def union(all_needs: Iterable[Needs]) -> Needs:
@@ -79,6 +80,7 @@ class Needs:
                 nvme=out.nvme or n.nvme,
                 sriov=out.sriov or n.sriov,
                 pci=out.pci or n.pci,
+                held=out.held or n.held,
             )
         return Needs(
             modules=out.modules,
@@ -96,6 +98,7 @@ class Needs:
             nvme=out.nvme,
             sriov=out.sriov,
             pci=out.pci,
+            held=out.held,
         )
 
     def watch_dirs(self) -> list[str]:

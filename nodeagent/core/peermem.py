@@ -48,7 +48,7 @@ from nodeagent.core.mofed import (
 )
 from nodeagent.core.needs import HOST_TREE, DiskNeed, Needs
 from nodeagent.core.paths import HostPaths
-from nodeagent.core.snapshot import DiskModule, FileId, NodeSnapshot
+from nodeagent.core.snapshot import DiskModule, FileId, HeldModule, NodeSnapshot
 from nodeagent.core.telemetry import MetricFamily, Sample
 from nodeagent.errors import NodeagentError
 
@@ -194,6 +194,7 @@ class PeermemGate:
             listings=frozenset({paths.validations, paths.memory_peers, paths.gpu_driver_root}),
             texts=frozenset({paths.nvidia_version}),
             pci=self.policy.enabled == "auto",
+            held=pol.hold_loads != "off",
         )
 
     def not_applicable(self, snap: NodeSnapshot, memory: PeermemMemory) -> str | None:
@@ -376,6 +377,7 @@ class PeermemGate:
         evidence["rdma_stack"] = stack_ev
 
         # 6. ABI preflight: only meaningful once the stack is otherwise right.
+        stack_reasons = list(reasons)  # 1-5: what a held file's own verdict waits on too
         peermem_disk = snap.disk_module(PEERMEM)
         unmounted = self._driver_root_unmounted(snap, peermem_disk)
         if unmounted is not None:
@@ -412,6 +414,22 @@ class PeermemGate:
                 "nvidia-driver-daemonset here) so it rebuilds nvidia-peermem against the MOFED "
                 "now loaded (gpu-operator#2868)",
             )
+        # The files loaders' opens of are held now, each judged as the disk's would be.
+        held = [self._judge_held(snap, h, stack_reasons) for h in snap.held]
+        held_rebuild = [e for e in held if e["verdict"] == "rebuild"]
+        if held_rebuild and not rebuild and not stack_reasons:
+            rebuild = True
+            if "abi_crcs_match" not in holding:
+                holding.append("abi_crcs_match")
+            reasons.insert(
+                0,
+                held_rebuild[0]["reason"]
+                + ": the kernel refuses it however long it waits: recreate the GPU driver "
+                "pod on this node so it rebuilds nvidia-peermem against the MOFED now "
+                "loaded (gpu-operator#2868)",
+            )
+        if snap.held:
+            evidence["held"] = held
         evidence["release_held"] = rebuild
         evidence["holding"] = holding
         evidence["mofed_ready"] = self.mofed_ready(snap, memory)
@@ -515,6 +533,49 @@ class PeermemGate:
             reason="peermem gate open: the RDMA stack under it is loaded, live and final",
         )
         return (load,), None, events
+
+    def _judge_held(
+        self, snap: NodeSnapshot, h: HeldModule, stack_reasons: list[str]
+    ) -> dict[str, Any]:
+        """One held file's verdict: ``go`` (the stack is final and the file agrees with
+        it), ``rebuild`` (the stack is final and the kernel refuses the file however long
+        it waits: let it go, said), or ``wait`` (anything else, an unreadable file too:
+        never trusted); with the reason, judged as a disk module is (``abi_mismatches``
+        against the loaded providers' files)."""
+        verdict, reason = "wait", ""
+        mod = h.module
+        release = (h.vermagic or "").split(" ", 1)[0]
+        if mod.problem:
+            reason = f"cannot verify the held {h.path}: {mod.problem}"
+        elif stack_reasons:
+            more = len(stack_reasons) - 1
+            reason = stack_reasons[0] + (f" (+{more} more)" if more else "")
+        elif release and release != snap.kernel:
+            verdict = "rebuild"
+            reason = (
+                f"the held {h.path} was built for kernel {release} (its vermagic), the "
+                f"node runs {snap.kernel}"
+            )
+        else:
+            abi, ev = abi_mismatches(
+                mod, {d: (snap.module(d), snap.disk_module(d)) for d in mod.depends}
+            )
+            if ev["mismatched"]:
+                verdict = "rebuild"
+                named = "; ".join(r for r in abi if " CRC " in r)
+                reason = (
+                    f"the held {h.path} was built against another ib_core than the one "
+                    f"MOFED has loaded ({named})"
+                )
+            elif abi:
+                reason = abi[0]
+            else:
+                verdict = "go"
+                reason = (
+                    f"the RDMA stack is final and the held {h.path} agrees with it "
+                    f"({len(ev['checked'])} symbol CRCs checked)"
+                )
+        return {"file": list(h.file), "path": h.path, "verdict": verdict, "reason": reason}
 
     def _driver_root_unmounted(self, snap: NodeSnapshot, disk: DiskModule) -> str | None:
         """What the gate means while the GPU driver root is not mounted (empty or absent,

@@ -56,6 +56,24 @@ class DiskModule:
     problem: str | None = None  # why it could not be found or read
 
 
+# Which file a held open is of: (st_dev, st_ino, st_size, st_mtime_ns) of the opened file,
+# as the hold's responder read them from the open's own descriptor.
+HeldFileKey = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class HeldModule:
+    """A module file a loader's open of is held now (``guards/peermem/``): what the hold's
+    responder read from the exact descriptor ``modprobe`` will insert from, so the gate
+    judges those bytes and not a file by the same name elsewhere."""
+
+    file: HeldFileKey
+    path: str  # as the opener's mount namespace names it (the container's own root)
+    # name, depends, the __versions CRCs it needs (path: ``path``); problem: unreadable
+    module: DiskModule
+    vermagic: str | None = None
+
+
 @dataclass(frozen=True)
 class FileId:
     """Identity of one incarnation of a file: a recreated or touched file differs."""
@@ -161,6 +179,8 @@ class NodeSnapshot:
     # PCI functions by address, when a guard needs them (core/applicability.py); None: not
     # read, or the bus listing was unreadable (then no device is known absent).
     pci: Mapping[str, PciDevice] | None = None
+    # The module files a loader's open of is held now, when the hold is on.
+    held: tuple[HeldModule, ...] = ()
 
     def module(self, name: str) -> LoadedModule | None:
         return self.modules.get(name)

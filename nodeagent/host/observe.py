@@ -34,6 +34,7 @@ from nodeagent.core.needs import DiskNeed, Needs
 from nodeagent.core.paths import HostPaths
 from nodeagent.core.snapshot import (
     DiskModule,
+    HeldModule,
     LoadedModule,
     NodeSnapshot,
     PciDevice,
@@ -64,6 +65,7 @@ _KoKey = tuple[str, int, int, int, int, int]
 
 
 SriovReader = Callable[[], tuple[SriovObservation, list[str]]]
+HeldReader = Callable[[], tuple[tuple[HeldModule, ...], list[str]]]
 
 
 PCI_DEVICES = "sys/bus/pci/devices"
@@ -74,6 +76,11 @@ def no_sriov() -> tuple[SriovObservation, list[str]]:
     """Without a netlink reader (``guards/sriov/observe.py``'s ``SriovObserver.read``): no
     SR-IOV PFs."""
     return EMPTY_SRIOV, []
+
+
+def no_held() -> tuple[tuple[HeldModule, ...], list[str]]:
+    """Without a hold (``guards/peermem/side.py``'s reader): no held module files."""
+    return (), []
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class Readers:
     nvme: Reader | None = None
     nvmet_ports: Reader | None = None
     sriov: SriovReader = no_sriov
+    held: HeldReader = no_held
 
 
 class HasPaths(Protocol):
@@ -124,6 +132,7 @@ class Observer:
             lambda: read_nvmet_ports(host, cfg.paths.nvmet_ports)
         )
         self.read_sriov: SriovReader = readers.sriov
+        self.read_held: HeldReader = readers.held
         # When the loop's watch last saw each of ``needs.opens`` opened (the run loop sets
         # it to its FileWatch's; an agent driven pass by pass sees no opening).
         self.opened_at: Callable[[str], float | None] = lambda _rel: None
@@ -410,6 +419,8 @@ class Observer:
         sriov, sriov_problems = self.read_sriov() if needs.sriov else no_sriov()
         problems.extend(sriov_problems)
         pci = self.read_pci(problems) if needs.pci else None
+        held, held_problems = self.read_held() if needs.held else no_held()
+        problems.extend(held_problems)
         # A marker whose presence means "stop" counts as present in an odd form.
         files = self.host.file_facts(sorted(needs.files), odd=needs.present_if_odd)
         for rel in needs.opens & files.keys():
@@ -432,6 +443,7 @@ class Observer:
             problems=tuple(problems),
             read_problems=MappingProxyType(unread),
             pci=pci,
+            held=held,
         )
 
     def read_pci(self, problems: list[str]) -> MappingProxyType[str, PciDevice] | None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from nodeagent.config import Config
 from nodeagent.core.peermem import PeermemPolicy
+from nodeagent.guards.peermem.heldfiles import read_held_path
 from nodeagent.guards.peermem.responder import Responder
 from nodeagent.guards.peermem.side import PeermemHold
 from nodeagent.guards.peermem.start import HoldHost
@@ -96,6 +97,8 @@ class SimAgent:
             proc=str(k.proc_dir),
             host_pids=lambda: True,
             path_of=k.event_path,
+            # Its events carry no descriptor: the held file is read by its path (the host's).
+            facts_of=lambda event, path: read_held_path(str(k.root / path.lstrip("/")), path),
             dev_of=k.superblock_at,
             may_load=lambda pid: None,  # the seeds' driver containers are privileged
             opener_may_load=lambda pid: None,  # and so are their module loaders

@@ -12,18 +12,39 @@ the gate files' clock). A lease that has run out, one longer than
 reader saw half of: its check word disagrees) reads **closed**: a stalled loop
 stops renewing, and a module load waits as ``nodeagent wait`` would, while
 every other open is answered at once.
+
+After the gate, at ``TABLE_AT``, the verdicts on held files (issue 65,
+``heldfiles.py``): a header (magic, count, until), one entry per file (its
+``FileKey`` and ``GO``, ``REBUILD`` or ``WAIT``; a file not listed goes by the
+gate), and a digest
+over the gate and the table together, all in the same ``pwrite``. The table
+counts only whole, with the gate it was written with, and while its own
+``until`` is current: a torn read, a gate rewritten by a writer that knows no
+table (an older agent) or a stalled loop leaves no verdict at all. The gate's
+first ``LEASE.size`` bytes are as before, so an older responder reads the gate
+alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import time
+from collections.abc import Mapping
 
+from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S
 
 LEASE = struct.Struct("=QdQ")  # open (0/1), until (boot-time seconds), check word
 _CHECK = 0x6E6F6465_6167656E  # "nodeagen": a torn read's check word disagrees
+TABLE_AT = 32
+TABLE = struct.Struct("=IId")  # magic, count, until (boot-time seconds)
+ENTRY = struct.Struct("=QQQqI4x")  # st_dev, st_ino, size, mtime_ns, verdict
+_TABLE_MAGIC = 0x564C4448  # "HDLV"
+_DIGEST = 8
+VERDICTS_MAX = 256  # the hold's caps hold at most 256 opens
+_READ = TABLE_AT + TABLE.size + VERDICTS_MAX * ENTRY.size + _DIGEST
 
 
 def _check(is_open: int, until: float) -> int:
@@ -53,11 +74,23 @@ class HoldLease:
     def fileno(self) -> int:
         return self.fd
 
-    def write(self, is_open: bool, lease_s: float = LEASE_S) -> None:
-        """The gate as of now: open for ``lease_s`` more seconds, or closed."""
-        until = boottime() + lease_s if is_open else 0.0
+    def write(
+        self,
+        is_open: bool,
+        lease_s: float = LEASE_S,
+        verdicts: Mapping[HeldFileKey, int] | None = None,
+    ) -> None:
+        """The gate as of now: open for ``lease_s`` more seconds, or closed; and the
+        verdicts on held files, for as long (a file not listed goes by the gate)."""
+        now = boottime()
+        until = now + lease_s if is_open else 0.0
         flag = int(is_open)
-        os.pwrite(self.fd, LEASE.pack(flag, until, _check(flag, until)), 0)
+        head = LEASE.pack(flag, until, _check(flag, until)).ljust(TABLE_AT, b"\0")
+        entries = list((verdicts or {}).items())[:VERDICTS_MAX]
+        table = TABLE.pack(_TABLE_MAGIC, len(entries), now + lease_s) + b"".join(
+            ENTRY.pack(*key, code) for key, code in entries
+        )
+        os.pwrite(self.fd, head + table + _digest(head, table), 0)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -82,3 +115,37 @@ def read_lease(fd: int, now: float | None = None) -> bool:
         t = boottime() if now is None else now
         return t < until <= t + LEASE_S + LEASE_SLACK_S
     return False
+
+
+def _digest(head: bytes, table: bytes) -> bytes:
+    return hashlib.blake2b(head + table, digest_size=_DIGEST).digest()
+
+
+def read_verdicts(fd: int, now: float | None = None) -> dict[HeldFileKey, int] | None:
+    """The verdicts on held files, or None when there is no whole, current table (an
+    older writer, a torn read twice, a stalled loop): then the gate alone decides."""
+    for _ in range(2):
+        try:
+            raw = os.pread(fd, _READ, 0)
+        except OSError:
+            return None
+        end = TABLE_AT + TABLE.size
+        if len(raw) < end + _DIGEST:
+            return None
+        magic, count, until = TABLE.unpack_from(raw, TABLE_AT)
+        if magic != _TABLE_MAGIC or count > VERDICTS_MAX:
+            return None
+        stop = end + count * ENTRY.size
+        if len(raw) < stop + _DIGEST:
+            continue
+        if _digest(raw[:TABLE_AT], raw[TABLE_AT:stop]) != raw[stop : stop + _DIGEST]:
+            continue
+        t = boottime() if now is None else now
+        if not t < until <= t + LEASE_S + LEASE_SLACK_S:
+            return None
+        out: dict[HeldFileKey, int] = {}
+        for i in range(count):
+            dev, ino, size, mtime, code = ENTRY.unpack_from(raw, end + i * ENTRY.size)
+            out[(dev, ino, size, mtime)] = code
+        return out
+    return None

@@ -8,6 +8,7 @@ import contextlib
 import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from nodeagent.host.fanotify import (
     PermEvent,
@@ -103,7 +104,9 @@ class Openers:
     can); only one that can is ever held (default: ``opener_may_load`` under ``proc``; a
     caller giving its own ``loader_of`` says who loads, and by default everyone it names
     can). ``container_of``: an opener's container, for the first cap (default: its
-    mount namespace)."""
+    mount namespace). ``facts_of``: what the gate judges of a held ``nvidia-peermem``
+    file, given the event and its path (default: read from the event's descriptor,
+    ``heldfiles.read_held_fd``; the simulator's events carry none)."""
 
     proc: str = "/proc"
     path_of: Callable[[PermEvent], str] = event_path
@@ -112,3 +115,4 @@ class Openers:
     loader_of: Callable[[int], tuple[bool, str]] | None = None
     may_load: Callable[[int], str | None] | None = None
     container_of: Callable[[int], str] | None = None
+    facts_of: Callable[[PermEvent, str], dict[str, Any]] | None = None

@@ -38,13 +38,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import nodeagent
+from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.adopt import Adopted, bind_adopt_socket, remove_adopt_socket
 from nodeagent.guards.peermem.budget import DescriptorBudget
+from nodeagent.guards.peermem.heldfiles import HELD_FILES_MAX, file_key
 from nodeagent.guards.peermem.lease import HoldLease
 from nodeagent.guards.peermem.reports import BURST_QUIET_S, HoldReport
 from nodeagent.host.fanotify import FanotifyGroup
@@ -126,6 +128,7 @@ class ResponderProcess:
         self.pid: int | None = None
         self._counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
         self._state: dict[str, Any] = {}
+        self._held_files: list[Any] = []  # as it last said (parsed strictly by the side)
         self._state_at = 0.0
         self._lock = threading.Lock()
         self._stopping = False
@@ -282,11 +285,16 @@ class ResponderProcess:
 
     # -- the loop's side ----------------------------------------------------------------
 
-    def follow(self, is_open: bool) -> None:
-        """The gate as the loop decided it now: a fresh lease (open) or closed, then a wake."""
+    def follow(self, is_open: bool, verdicts: Mapping[HeldFileKey, int] | None = None) -> None:
+        """The gate now (a fresh lease, or closed) and the held files' verdicts; a wake."""
         if self._lease is not None and self._lease.fd >= 0:
-            self._lease.write(is_open)
+            self._lease.write(is_open, verdicts=verdicts)
         self.wake()
+
+    def held_files(self) -> list[dict[str, Any]]:
+        """What the responder last said of the files it holds (``heldfiles.py``'s form)."""
+        with self._lock:
+            return list(self._held_files)
 
     def wake(self) -> None:
         if self._wake_fd >= 0:
@@ -443,23 +451,20 @@ class ResponderProcess:
         kind = msg.get("t")
         if kind == "report":
             with contextlib.suppress(TypeError):
+                report = HoldReport.from_message(msg, file_key(msg.get("file")))
                 if len(self.reports) == self.reports.maxlen:
                     self.reports_lost += 1  # the oldest goes: counted, said in one record
-                self.reports.append(
-                    HoldReport(
-                        int(msg["pid"]),
-                        str(msg["opener"]),
-                        str(msg["path"]),
-                        float(msg["seconds"]),
-                        str(msg["ended"]),
-                    )
-                )
+                self.reports.append(report)
                 self.reported += 1
                 return True
         elif kind == "notice" and isinstance(msg.get("notice"), dict):
             self.notices.append(msg["notice"])
             self.reported += 1
             return True
+        elif kind == "held-files" and isinstance(msg.get("files"), list):
+            with self._lock:
+                self._held_files = msg["files"][:HELD_FILES_MAX]
+            return True  # a pass: the gate judges them now
         elif kind == "beat":
             self.beats += 1  # (its arrival is what the reader counts as a sign of life)
         elif kind == "state":

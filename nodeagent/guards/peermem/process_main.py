@@ -34,8 +34,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.budget import Caps, open_descriptors
-from nodeagent.guards.peermem.lease import read_lease
+from nodeagent.guards.peermem.heldfiles import read_held_fd
+from nodeagent.guards.peermem.lease import read_lease, read_verdicts
 from nodeagent.guards.peermem.openers import Openers
 from nodeagent.guards.peermem.responder import Responder, Rounds
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
@@ -129,6 +131,7 @@ class ApartResponder(Responder):
         self._state_sig: tuple[int, int, int] = (-1, -1, -1)  # what the last state said
         self._state_due = False
         self._beat_sent = 0.0
+        self._files_sent = 0  # the ``files_changed`` the agent was last told of
 
     def _timeout_ms(self) -> int | None:
         timeout = super()._timeout_ms()
@@ -154,6 +157,10 @@ class ApartResponder(Responder):
             if not out.put({"t": "notice", "notice": self.notices[0]}):
                 break
             self.notices.popleft()
+        # The held files whenever their set changed: never dropped (tried again next round).
+        changed = self.files_changed
+        if changed != self._files_sent and out.put({"t": "held-files", "files": self.held_files()}):
+            self._files_sent = changed
         # Cheap first (this runs after every event): what may have changed, and when.
         sig = (sum(self.counts.values()), len(self._held), self.reported)
         now = time.monotonic()
@@ -243,6 +250,13 @@ class Adoption:
         """The lease, while an agent writes it; closed while orphaned."""
         return self.responder.orphaned_at is None and read_lease(self.lease_fd)
 
+    def verdicts(self) -> dict[HeldFileKey, int] | None:
+        """The verdicts on held files, while an agent writes them; none while orphaned
+        (every held file waits)."""
+        if self.responder.orphaned_at is not None:
+            return {}
+        return read_verdicts(self.lease_fd)
+
     def on_life(self) -> None:
         try:
             data = os.read(self.life_fd, 64)
@@ -329,7 +343,32 @@ class Adoption:
         responder.orphaned_at = None
         responder.outbox.attached = True
         responder._state_due, responder._state_sent = True, 0.0
+        responder._files_sent = -1  # the new agent hears what is held, and judges it
         responder.wake()
+
+
+def _warm_up() -> None:
+    """Read a module of each compression once, from a memfd, before ``ready``: the
+    parser and its decompressors (zstandard is imported on first use) must not be
+    imported after marks exist (an import opens files, and could wait on this hold)."""
+    import gzip
+    import lzma
+
+    with contextlib.suppress(ImportError):
+        import zstandard
+
+        _ = zstandard.ZstdCompressor
+    fd = os.memfd_create("nodeagent-warm-up", os.MFD_CLOEXEC)
+    try:
+        payloads = [b"\x7fELF" + bytes(60), lzma.compress(b"x"), gzip.compress(b"x")]
+        if "zstandard" in sys.modules:
+            payloads.append(sys.modules["zstandard"].ZstdCompressor().compress(b"x"))
+        for payload in payloads:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, payload, 0)
+            read_held_fd(fd, "warm-up.ko")
+    finally:
+        os.close(fd)
 
 
 def serve(spec: dict[str, Any]) -> int:
@@ -349,6 +388,7 @@ def serve(spec: dict[str, Any]) -> int:
     responder = ApartResponder(
         group,
         gate_open=lambda: adoption.gate_open(),
+        verdicts=lambda: adoption.verdicts(),
         budget_s=budget_s,
         openers=Openers(
             proc=str(spec.get("proc", "/proc")),
@@ -377,8 +417,11 @@ def serve(spec: dict[str, Any]) -> int:
         lease_fd=lease_fd,
         wake_fd=wake_fd,
     )
-    # Everything it will use once marks exist, used once now (imports, the lease, JSON).
+    # Everything it will use once marks exist, used once now (imports, the lease, JSON,
+    # a module file of each compression).
     read_lease(lease_fd)
+    read_verdicts(lease_fd)
+    _warm_up()
     responder.send()
     outbox.put({"t": "ready", "pid": os.getpid()})
     outbox.flush()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import os
 import select
 import threading
@@ -47,14 +46,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeagent.core.hold import held_open
+from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.budget import Caps
+from nodeagent.guards.peermem.heldfiles import ENDED, HeldFacts
 from nodeagent.guards.peermem.openers import (
     Openers,
     is_loader,
     mount_namespace,
     opener_may_load,
 )
-from nodeagent.guards.peermem.reports import OVERFLOW_MEANING, Burst, HoldReport
+from nodeagent.guards.peermem.reports import (
+    FAULT_BACKOFF_S,
+    Burst,
+    HoldReport,
+    fault_name,
+)
 from nodeagent.host.events import Poke
 from nodeagent.host.fanotify import (
     EventSource,
@@ -69,18 +75,9 @@ class _Held:
     path: str
     began: float
     container: str = "?"  # the opener's (``mount_namespace``), for the cap per container
-
-
-# After an EMFILE/ENFILE the responder waits this long (or for a wake-up) before reading
-# the group again: each failed read costs the kernel one event (it denies it).
-FAULT_BACKOFF_S = 0.1
-
-
-def _fault_name(exc: BaseException) -> str:
-    """A bounded word for an error: ``EMFILE``, ``ENFILE``, ``OSError`` or the class name."""
-    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-        return errno.errorcode[exc.errno]
-    return type(exc).__name__
+    # An nvidia-peermem file's identity, when its facts were read (``heldfiles.py``): its
+    # own verdict decides, where the agent gives verdicts.
+    file: HeldFileKey | None = None
 
 
 @dataclass(frozen=True)
@@ -107,14 +104,18 @@ class Responder:
         *,
         gate_open: Callable[[], bool],
         budget_s: float,
+        verdicts: Callable[[], Mapping[HeldFileKey, int] | None] | None = None,
         openers: Openers | None = None,
         caps: Caps | None = None,
         rounds: Rounds | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``source``'s permission events answered while ``gate_open`` reads closed, each
-        held at most ``budget_s``; how openers are read, the caps, and what else its rounds
-        do: ``Openers``, ``Caps``, ``Rounds``."""
+        held at most ``budget_s``; ``verdicts``: the agent's verdict on each held
+        nvidia-peermem file (``heldfiles.GO``, ``REBUILD``, ``WAIT``; one not listed goes
+        by the gate), or None where there are none to read (the gate alone decides); how
+        openers are read, the caps, and what else its rounds do: ``Openers``, ``Caps``,
+        ``Rounds``."""
         o, c, r = openers or Openers(), caps or Caps(), rounds or Rounds()
         self.source = source
         self.gate_open = gate_open
@@ -133,6 +134,9 @@ class Responder:
         self.may_load = may_load
         self.container_of = o.container_of or (lambda pid: mount_namespace(pid, proc))
         self.path_of = o.path_of
+        self.verdicts = verdicts or (lambda: None)
+        self.facts = HeldFacts(o.facts_of)  # held nvidia-peermem files', for the agent
+        self.files_changed = 0  # bumped when the set of held files changes
         self.on_report = r.on_report
         self.held_per_container = c.held_per_container
         self.held_total = c.held_total
@@ -179,8 +183,9 @@ class Responder:
         """Answer in the calling thread until stopped (the responder's own process)."""
         self._run()
 
-    def follow(self, is_open: bool) -> None:
-        """The gate changed, or its decision was renewed (``gate_open`` reads it)."""
+    def follow(self, is_open: bool, verdicts: Mapping[HeldFileKey, int] | None = None) -> None:
+        """The gate changed, or its decision was renewed (``gate_open`` and ``verdicts``
+        read them)."""
         self.wake()
 
     def wake(self) -> None:
@@ -201,6 +206,12 @@ class Responder:
 
     def descriptors_in_use(self) -> int | None:
         return None  # its held opens' descriptors are the agent's own
+
+    def held_files(self) -> list[dict[str, Any]]:
+        """What the gate judges of each distinct nvidia-peermem file held now (at most
+        ``HELD_FILES_MAX``; ``heldfiles.read_held_fd``'s form)."""
+        with self._lock:
+            return self.facts.described(h.file for h in self._held)
 
     def held(self) -> list[tuple[int, str, str, float]]:
         """(pid, opener, path, seconds held) of every open held now."""
@@ -300,7 +311,7 @@ class Responder:
 
     def _fault(self, exc: BaseException) -> None:
         self.counts["faults"] += 1
-        name = _fault_name(exc)
+        name = fault_name(exc)
         if name in ("EMFILE", "ENFILE"):
             self._backoff = True
         self._note(
@@ -335,13 +346,7 @@ class Responder:
         if burst is None:
             burst = self._bursts[key] = Burst(began=now, last=now, kind=kind)
             burst.detail.update(first or {})
-        burst.last = now
-        burst.count += 1
-        for k, v in detail.items():
-            if isinstance(v, bool):
-                burst.detail[k] = burst.detail.get(k, False) or v
-            else:
-                burst.detail[k] = burst.detail.get(k, 0) + v
+        burst.add(now, detail)
 
     def _end_bursts(self, stopping: bool = False) -> None:
         """A notice for each burst that has been quiet for ``burst_quiet_s`` (each, when
@@ -354,37 +359,10 @@ class Responder:
         ]
         for key in ended:
             b = self._bursts.pop(key)
-            notice: dict[str, Any] = {
-                "kind": b.kind,
-                "count": b.count,
-                "seconds": b.last - b.began,
-            }
-            notice.update(b.detail)
-            notice["meaning"] = self._meaning(b)
-            self.notices.append(notice)
+            self.notices.append(b.notice(self.held_per_container, self.held_total))
             self.reported += 1
         if ended:
             self.on_report()
-
-    def _meaning(self, b: Burst) -> str:
-        if b.kind == "hold-overflow":
-            return OVERFLOW_MEANING + (
-                " while the gate was closed"
-                if b.detail.get("gate_closed")
-                else "; the gate was open at each overflow, so none would have been held"
-            )
-        if b.kind == "hold-over-cap":
-            return (
-                f"module loaders' opens past the hold's caps ({self.held_per_container} held "
-                f"per container, {self.held_total} in all) were allowed at once, gate "
-                "closed: a flood of loads; each held open keeps a descriptor of the agent's"
-            )
-        return "the responder survived an error and went on" + (
-            f" (out of descriptors: reads waited {FAULT_BACKOFF_S:g} s; the kernel "
-            "denies an open it cannot give a descriptor for)"
-            if b.detail.get("fault") in ("EMFILE", "ENFILE")
-            else "; an event it was answering was allowed"
-        )
 
     def _allow(self, event: PermEvent) -> None:
         self._answering = None  # an answer attempted: never again, even if it fails
@@ -432,8 +410,11 @@ class Responder:
                 over = "container"
             else:
                 over = ""
-                self._held.append(_Held(event, name, path, self.clock(), container))
+                held = _Held(event, name, path, self.clock(), container)
+                self._held.append(held)
                 self._per_container[container] += 1
+        if not over and held_open(path) == "nvidia-peermem":
+            self._read_facts(held)
         if over:  # past a cap: allowed at once, said once per burst
             self._note(
                 "hold-over-cap",
@@ -447,21 +428,45 @@ class Responder:
         self._answering = None  # held: answered by _release
         self.counts["held"] += 1
 
+    def _read_facts(self, held: _Held) -> None:
+        """What the gate judges of the held file, read from the event's descriptor (once
+        per identity while held); the agent hears of a new file at its next report."""
+        try:
+            with self._lock:
+                key = self.facts.read(held.event, held.path, {h.file for h in self._held})
+                known = any(h.file == key for h in self._held)
+                held.file = key
+        except Exception as exc:  # (it reads a file: never the end of the responder)
+            self._fault(exc)
+            return  # not identified: the gate alone decides for it
+        if key is None:
+            return
+        if not known:
+            self.files_changed += 1
+            self.on_report()
+
     def _release(self, stopping: bool = False) -> None:
-        """Answer held opens whose gate opened, budget ran out, or opener went away."""
+        """Answer held opens whose file's verdict or gate opened, budget ran out, or opener
+        went away. A held nvidia-peermem file the agent judged goes by its own verdict
+        (``GO``: gate opened, ``REBUILD``: let go, ``WAIT``: held, gate or not); one not
+        judged (yet) by the gate."""
         if not self._held:  # (changed in this thread only)
             return
         with self._lock:
             if not self._held:
                 return
             is_open = self.gate_open()
+            verdicts = self.verdicts() if any(h.file for h in self._held) else None
             now = self.clock()
             keep: list[_Held] = []
             done: list[tuple[_Held, str]] = []
             for h in self._held:
+                code = verdicts.get(h.file) if verdicts is not None and h.file else None
                 if stopping:
                     done.append((h, "responder stopped"))
-                elif is_open:
+                elif code in ENDED:
+                    done.append((h, ENDED[code]))
+                elif is_open and code is None:  # (not judged: the gate decides)
                     done.append((h, "gate opened"))
                 elif now - h.began >= self.budget_s:
                     done.append((h, "budget expired"))
@@ -470,6 +475,8 @@ class Responder:
                 else:
                     keep.append(h)
             self._held = keep
+            if done and {h.file for h, _ in done} - {h.file for h in keep} - {None}:
+                self.files_changed += 1  # a file no longer held: the agent judges it no more
             for h, _why in done:
                 self._per_container[h.container] -= 1
                 if self._per_container[h.container] <= 0:
@@ -481,7 +488,9 @@ class Responder:
                 self._fault(exc)
             if len(self.reports) == self.reports.maxlen:
                 self.reports_lost += 1  # the oldest goes: counted, said in one record
-            self.reports.append(HoldReport(h.event.pid, h.opener, h.path, now - h.began, why))
+            self.reports.append(
+                HoldReport(h.event.pid, h.opener, h.path, now - h.began, why, h.file)
+            )
             self.reported += 1
         if done:
             self.on_report()

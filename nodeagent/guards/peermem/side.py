@@ -33,6 +33,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nodeagent.core.guard import Verdict
+from nodeagent.core.snapshot import HeldFileKey, HeldModule
+from nodeagent.guards.peermem.heldfiles import HELD_FILES_MAX, VERDICT_CODES, held_modules
 from nodeagent.guards.peermem.restarts import (
     CANCEL_TIMEOUT_S,
     RESTART_WINDOW_S,
@@ -68,6 +70,13 @@ class PeermemHold(HoldStarts, GuardSide):
         self.containers: RootScanner | None = None  # driver containers' roots, as they start
         self.since: float | None = None
         self.gate_open = False  # what the responder reads: never a file, never a lock
+        # The verdicts on held nvidia-peermem files it reads too (heldfiles.GO, REBUILD,
+        # WAIT; a file not listed goes by the gate), from the last pass that vouched; and
+        # each file's reason,
+        # for the record of its open when it ends, and status.
+        self.verdicts: dict[HeldFileKey, int] = {}
+        self.reasons: dict[HeldFileKey, str] = {}
+        self.held_judged: list[dict[str, Any]] = []
         self.unlimited_queue = True  # the group's queue (bounded: an overflow lets opens go)
         self.release = False  # the last pass let held loads go without a gate (release_held)
         self.restarts: list[float] = []  # when a dead responder was replaced (the window's)
@@ -112,6 +121,16 @@ class PeermemHold(HoldStarts, GuardSide):
         if self._adopt_left_responder():
             return
         self._start_apart()
+
+    def readers(self) -> dict[str, Callable[[], Any]]:
+        """The files its responder holds, for the snapshot: the gate judges those bytes."""
+        return {"held": self._read_held} if self.configured else {}
+
+    def _read_held(self) -> tuple[tuple[HeldModule, ...], list[str]]:
+        hold = self.hold
+        if hold is None or not hold.alive():
+            return (), []
+        return held_modules(hold.held_files())
 
     def writes(self) -> dict[str, tuple[str, ...]]:
         return {self.ctx.paths.state_dir: (RUNNING_FILE,)}
@@ -178,8 +197,9 @@ class PeermemHold(HoldStarts, GuardSide):
     def after_publish(self, verdict: Verdict, published: bool, vouches: Callable[[], bool]) -> None:
         """A held load goes on only when ``wait`` would, or when the guard says no wait can
         help (a load the kernel refuses either way)."""
-        self.release = bool(verdict.evidence.get("release_held")) and vouches()
-        self._follow(published or self.release)
+        vouched = vouches()
+        self.release = bool(verdict.evidence.get("release_held")) and vouched
+        self._follow(published or self.release, self._verdicts_of(verdict, vouched))
         if self.unclean_end:
             self.unclean_end = False
             self.ctx.record(
@@ -201,14 +221,15 @@ class PeermemHold(HoldStarts, GuardSide):
         self._mark_roots()
 
     def needs_beat(self) -> bool:
-        return self.hold is not None and self.gate_open
+        return self.hold is not None and (self.gate_open or bool(self.verdicts))
 
     def beat(self, published: bool, vouches: Callable[[], bool]) -> None:
         """Renew the responder's lease while the decision that opened it stands; a loop
         that stops beating lets it run out (loads wait, other opens go)."""
-        if self.hold is None or not self.gate_open:
+        if self.hold is None or not (self.gate_open or self.verdicts):
             return
-        self._follow(published or (self.release and vouches()))
+        vouched = vouches()
+        self._follow(published or (self.release and vouched), self.verdicts if vouched else {})
 
     def status(self) -> Any:
         if self.hold is None:
@@ -222,7 +243,7 @@ class PeermemHold(HoldStarts, GuardSide):
                 starting=self.replacement is not None,
                 restarts=len(self.restarts),
             )
-        return running_status(
+        status = running_status(
             self.hold,
             self.containers,
             state=self.state,
@@ -232,6 +253,11 @@ class PeermemHold(HoldStarts, GuardSide):
             unlimited_queue=self.unlimited_queue,
             restarts=len(self.restarts),
         )
+        # Each nvidia-peermem file held now, judged: path, verdict (go, wait, rebuild), why.
+        status["held_files"] = [
+            {k: e[k] for k in ("path", "verdict", "reason")} for e in self.held_judged
+        ]
+        return status
 
     def stop(self) -> None:
         self._cancel_retry()
@@ -249,24 +275,46 @@ class PeermemHold(HoldStarts, GuardSide):
 
     # -- its own --------------------------------------------------------------
 
-    def _follow(self, is_open: bool) -> None:
-        """Tell the responder the gate: at a change, and while open at every pass and beat
-        (the process apart reads a lease that runs out without them). Without one (a new
-        one starting), the gate is kept for it: adopted, it is told the gate then."""
+    def _verdicts_of(self, verdict: Verdict, vouched: bool) -> dict[HeldFileKey, int]:
+        """The guard's verdicts on the files held (``evidence.held``), as the responder
+        reads them: only from a pass that vouches, as the gate is; each reason kept."""
+        judged = verdict.evidence.get("held") or []
+        self.held_judged = list(judged)
+        out: dict[HeldFileKey, int] = {}
+        for entry in judged:
+            file = entry["file"]
+            key: HeldFileKey = (file[0], file[1], file[2], file[3])
+            self.reasons[key] = entry["reason"]
+            code = VERDICT_CODES.get(entry["verdict"])
+            if code is not None and vouched:
+                out[key] = code
+        if len(self.reasons) > 4 * HELD_FILES_MAX:  # (kept a while for the ends' records)
+            self.reasons = dict(list(self.reasons.items())[-HELD_FILES_MAX:])
+        return out
+
+    def _follow(self, is_open: bool, verdicts: dict[HeldFileKey, int] | None = None) -> None:
+        """Tell the responder the gate and the verdicts on held files: at a change, and
+        while either stands at every pass and beat (the process apart reads a lease that
+        runs out without them). Without one (a new one starting), they are kept for it:
+        adopted, it is told them then."""
+        verdicts = verdicts or {}
         if self.hold is None:
-            self.gate_open = is_open
+            self.gate_open, self.verdicts = is_open, verdicts
             return
-        if not (is_open or self.gate_open):
+        if not (is_open or self.gate_open or verdicts or self.verdicts):
             return  # closed, and it was: nothing to tell
-        # Closing, the responder's lease first: whoever sees gate_open False finds it closed
-        # (a load started then is held). Opening, the flag first: a thread responder reads it
-        # when follow wakes it.
-        if is_open:
-            self.gate_open = True
-            self.hold.follow(True)
+        # Narrowing (the gate closing, a verdict withdrawn), the responder's lease first:
+        # whoever sees the flags narrowed finds the lease so (a load started then is held).
+        # Widening, the flags first: a thread responder reads them when follow wakes it.
+        narrowing = (self.gate_open and not is_open) or any(
+            verdicts.get(k) != v for k, v in self.verdicts.items()
+        )
+        if narrowing:
+            self.hold.follow(is_open, verdicts)
+            self.gate_open, self.verdicts = is_open, verdicts
         else:
-            self.hold.follow(False)
-            self.gate_open = False
+            self.gate_open, self.verdicts = is_open, verdicts
+            self.hold.follow(is_open, verdicts)
 
     def _replace_dead_responder(self) -> None:
         """A responder process that died: its pending opens went when the agent closed its
@@ -335,5 +383,10 @@ class PeermemHold(HoldStarts, GuardSide):
         """Every held open that ended since the last pass, as a timeline record."""
         if self.hold is not None:
             self.reports_lost_said = record_holds(
-                self.hold, self.containers, self.ctx.record, self.ctx.name, self.reports_lost_said
+                self.hold,
+                self.containers,
+                self.ctx.record,
+                self.ctx.name,
+                self.reports_lost_said,
+                why_of=self.reasons.get,
             )

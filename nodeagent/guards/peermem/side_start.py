@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nodeagent.core.guard import backoff_delay
+from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.restarts import Replacement, Started
 from nodeagent.guards.side import SideContext
 
@@ -42,6 +43,7 @@ class HoldStarts:
     containers: RootScanner | None
     since: float | None
     gate_open: bool
+    verdicts: dict[HeldFileKey, int]
     unlimited_queue: bool
     replacement: Replacement | None
     start_failures: int
@@ -98,6 +100,7 @@ class HoldStarts:
             group.mark_filesystem,  # (marked already: marking again changes nothing)
             [(r, str(ctx.host.path(r))) for r in pol.hold_roots],
             gate_open=lambda: self.gate_open,
+            verdicts=lambda: self.verdicts,
             budget_s=pol.hold_budget_s,
             host_pids=host.host_pids(),
             containers=bool(pol.hold_containers),
@@ -235,6 +238,7 @@ class HoldStarts:
                     group.mark_filesystem,
                     roots,
                     gate_open=lambda: self.gate_open,
+                    verdicts=lambda: self.verdicts,
                     budget_s=pol.hold_budget_s,
                     host_pids=host_pids,
                     containers=bool(pol.hold_containers),
@@ -265,7 +269,8 @@ class HoldStarts:
         self.mark_failures, self.mark_at = 0, None
         if any(name not in marked for name in pol.hold_roots):  # tried again (_mark_roots)
             self._mark_failed()
-        self.hold.follow(self.gate_open)  # a new responder starts closed: tell it the gate
+        # A new responder starts closed: tell it the gate, and the verdicts on held files.
+        self.hold.follow(self.gate_open, self.verdicts)
         self.since = ctx.clock()
         budget = self.hold.descriptors
         ctx.record(

@@ -12,10 +12,11 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.adopt import (
     ADOPT_SOCKET,
     ADOPT_TIMEOUT_S,
@@ -82,7 +83,13 @@ class HoldResponder(Protocol):
 
     def alive(self) -> bool: ...
 
-    def follow(self, is_open: bool) -> None: ...
+    def follow(self, is_open: bool, verdicts: Mapping[HeldFileKey, int] | None = None) -> None:
+        """The gate now, and the verdicts on held files (a file not listed goes by the gate)."""
+        ...
+
+    def held_files(self) -> list[dict[str, Any]]:
+        """What it read of each distinct nvidia-peermem file it holds now."""
+        ...
 
     def wake(self) -> None: ...
 
@@ -121,6 +128,9 @@ class HoldHost:
     opener_may_load: Callable[[int], str | None] | None = None
     threaded: bool = True
     clock: Callable[[], float] = time.monotonic  # budgets and ages
+    # What the gate judges of a held nvidia-peermem file (default: read from the event's
+    # descriptor; the simulator's events carry none: ``heldfiles.read_held_path``).
+    facts_of: Callable[[PermEvent, str], dict[str, Any]] | None = None
     # The responder in a process of its own (``guards/peermem/process.py``) when threaded:
     # the kernel's group only (a test's fake group answers in a thread of the agent).
     apart: bool = True
@@ -145,6 +155,7 @@ def start_hold(
     gate_open: Callable[[], bool],
     budget_s: float,
     host_pids: bool,
+    verdicts: Callable[[], Mapping[HeldFileKey, int] | None] | None = None,
     containers: bool = False,
     on_report: Callable[[], None] = lambda: None,
     host: HoldHost | None = None,
@@ -191,7 +202,13 @@ def start_hold(
             source,
             gate_open=gate_open,
             budget_s=budget_s,
-            openers=Openers(proc=host.proc, path_of=host.path_of, may_load=host.opener_may_load),
+            verdicts=verdicts,
+            openers=Openers(
+                proc=host.proc,
+                path_of=host.path_of,
+                may_load=host.opener_may_load,
+                facts_of=host.facts_of,
+            ),
             caps=Caps(budget.held_per_container, budget.held_total, descriptors=budget),
             rounds=Rounds(on_report=on_report),
             clock=host.clock,

@@ -127,8 +127,10 @@ def record_holds(
     record: Callable[[dict[str, Any]], None],
     guard: str,
     lost_said: int,
+    why_of: Callable[[Any], str | None] = lambda file: None,
 ) -> int:
-    """Every held open that ended since the last pass, as a timeline record."""
+    """Every held open that ended since the last pass, as a timeline record; one that
+    went by its file's own verdict says why (``why_of``: the agent's reason for a file)."""
     while scanner is not None and scanner.reports:
         record(scanner.reports.popleft())
     # Bursts: an overflow (a held-class open may have gone), opens past a cap, a fault.
@@ -151,15 +153,17 @@ def record_holds(
         lost_said = lost
     while hold.reports:
         r = hold.reports.popleft()
-        record(
-            {
-                "kind": "held-open",
-                "guard": guard,
-                "pid": r.pid,
-                "opener": r.opener,
-                "path": r.path,
-                "seconds": round(r.seconds, 3),
-                "ended": r.ended,
-            }
-        )
+        rec: dict[str, Any] = {
+            "kind": "held-open",
+            "guard": guard,
+            "pid": r.pid,
+            "opener": r.opener,
+            "path": r.path,
+            "seconds": round(r.seconds, 3),
+            "ended": r.ended,
+        }
+        why = why_of(r.file) if r.file is not None else None
+        if why is not None:
+            rec["why"] = why
+        record(rec)
     return lost_said
