@@ -222,3 +222,22 @@ def responder_running(root: Path, what: str) -> int:
 def recorded(root: Path, kind: str) -> list[dict[str, Any]]:
     """The records of one kind in the timeline of the agent on ``root``."""
     return of_kind(root / "var/lib/nodeagent/timeline.jsonl", kind)
+
+
+def overlay_works(tmp: Path) -> str | None:
+    """Why this machine cannot start a container-like root here (None: it can): root,
+    the tools, an overlay mounted in a mount namespace of its own."""
+    if os.geteuid() != 0:
+        return "not root: cannot mount an overlay"
+    for tool in ("unshare", "nsenter", "chroot", "ldd"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    for d in "luwm":
+        (tmp / d).mkdir()
+    opts = f"lowerdir={tmp}/l,upperdir={tmp}/u,workdir={tmp}/w"
+    p = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t overlay overlay -o {opts} {tmp}/m"],
+        capture_output=True,
+        text=True,
+    )
+    return None if p.returncode == 0 else f"cannot mount an overlay here: {p.stderr.strip()}"

@@ -35,6 +35,7 @@ from nodeagent.host.fanotify import FanotifyGroup, OpenedRoot, parse_marked_devi
 from nodeagent.host.procevents import ExecEvents
 from tests import containerroot
 from tests.containerroot import ENTRYPOINT, Container
+from tests.guards.peermem.rig import overlay_works
 from tests.waiting import WAIT, until
 
 # -- the rule (pure) ----------------------------------------------------------
@@ -244,27 +245,10 @@ class Rig:
         return c
 
 
-def _overlay_works(tmp: Path) -> str | None:
-    if os.geteuid() != 0:
-        return "not root: cannot mount an overlay"
-    for tool in ("unshare", "nsenter", "chroot", "ldd"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    for d in "luwm":
-        (tmp / d).mkdir()
-    opts = f"lowerdir={tmp}/l,upperdir={tmp}/u,workdir={tmp}/w"
-    p = subprocess.run(
-        ["unshare", "-m", "sh", "-c", f"mount -t overlay overlay -o {opts} {tmp}/m"],
-        capture_output=True,
-        text=True,
-    )
-    return None if p.returncode == 0 else f"cannot mount an overlay here: {p.stderr.strip()}"
-
-
 @pytest.fixture
 def rig(tmp_path: Path) -> Iterator[Rig]:
     (tmp_path / "probe").mkdir()
-    why = _overlay_works(tmp_path / "probe")
+    why = overlay_works(tmp_path / "probe")
     if why:
         pytest.skip(why)
     try:
