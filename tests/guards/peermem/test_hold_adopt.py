@@ -116,6 +116,9 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
             )
             assert loader.poll() is None and alive(responder)
             assert sup.poll() is None and alive(second)
+            # The adopted responder told the new agent what it holds: judged (issue 65).
+            judged = until(lambda: hold_status(root).get("held_files"), "not judged again")
+            assert [f["verdict"] for f in judged] == ["wait"], judged
 
             # MOFED is ready: the new agent's gate opens, the held load goes on.
             (root / READY).write_text("")
@@ -126,6 +129,7 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
                 "the new agent did not record the held open's end",
             )
             assert [r["ended"] for r in ended] == ["gate opened"], ended
+            assert "agrees with it" in ended[0].get("why", ""), ended  # by its own verdict
 
             # A stop (the pod deleted): forwarded, the agent stops its adopted responder
             # cleanly, the supervisor ends with it; nothing is left behind.
