@@ -13,9 +13,13 @@ nothing of nodeagent:
   ``UNLOAD_STORAGE_MODULES``;
 - ``gpu_driver_container`` (+ its init container ``k8s-driver-manager``, which
   waits once per pod for the ready flag or any ``mlx5_core``, per the mode):
-  builds ``nvidia_peermem`` against the MOFED headers present at that moment,
-  loads ``nvidia``, ``nvidia_uvm``, ``nvidia_modeset`` and then
-  ``nvidia_peermem`` with no wait (``driver.rdma.enabled``);
+  ``nvidia-driver init`` in its order: unloads nvidia's modules and unmounts
+  the previous root from ``/run/nvidia/driver``, builds ``nvidia_peermem``
+  against the MOFED headers present at that moment into its own root (the
+  runtime's overlay), loads ``nvidia``, ``nvidia_uvm``, ``nvidia_modeset`` and
+  then ``nvidia_peermem`` from there with no wait (``driver.rdma.enabled``), and
+  only then bind-mounts its root at ``/run/nvidia/driver``; ``_shutdown`` (an
+  exit before that, or SIGTERM) unloads and unmounts;
 - ``peermem_sidecar``: ``nvidia-peermem-ctr`` (``reload_nvidia_peermem``):
   waits for the ready flag (or ``mlx5_core``) and ``.driver-ctr-ready``, loads
   once, exits 1 on failure; its startup and liveness probes restart it when
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +51,7 @@ from nodeagent.sim.modtree import (
     Generation,
     srcversion_of,
 )
-from nodeagent.sim.node import BLACKLIST, CTR_READY, LOCK, READY, Node
+from nodeagent.sim.node import BLACKLIST, CTR_READY, GPU_DRIVER_ROOT, LOCK, READY, Node
 
 __all__ = [
     "STORAGE_MODULE_NAMES",
@@ -57,6 +62,7 @@ __all__ = [
     "MofedSpec",
     "Probe",
     "Terminated",
+    "container_root",
     "gpu_driver_container",
     "host_modprobe",
     "mofed_container",
@@ -156,10 +162,14 @@ class Container:
     # The pod's other containers: kubelet starts them once this pod's init container is done.
     pod_mates: list[Container] = field(default_factory=list)
     # What the runtime makes of each start: a new overlay root reachable at ``rootfs``
-    # (host-relative; the driver container's is bind-mounted at /run/nvidia/driver) and
-    # the entrypoint's process, as /proc shows it.
+    # (host-relative; the GPU driver container's script bind-mounts its own at
+    # /run/nvidia/driver itself, late: ``_gpu_body``) and the entrypoint's process, as
+    # /proc shows it.
     rootfs: str | None = None
     cmdline: tuple[str, ...] = ()
+    # Each start's overlay begins as the image has it: no module tree (a new upper
+    # directory); False keeps what is there (a test's tree set up beforehand).
+    fresh_root: bool = False
 
     def start(self, delay: float = 0.0) -> Container:
         self.actor = self.node.sched.spawn(self.name, self._main, delay)
@@ -214,6 +224,9 @@ class Container:
         """One start as the container runtime makes it: its root, its process."""
         k = self.node.kernel
         if self.rootfs is not None:
+            if self.fresh_root:
+                shutil.rmtree(self.node.root / self.rootfs, ignore_errors=True)
+                (self.node.root / self.rootfs).mkdir(parents=True)
             k.mount_overlay(self.rootfs)
         pid = None
         if self.cmdline:
@@ -472,6 +485,12 @@ def nvidia_banner(spec: GpuSpec, arch: str) -> str:
     )
 
 
+# Where the runtime's overlay of each start of a container is on the host (CRI-O's
+# layout, the seeds' OpenShift; the simulator names it by the container's name, not its id).
+def container_root(name: str) -> str:
+    return f"var/lib/containers/storage/overlay/{name}/merged"
+
+
 def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-ctr") -> Container:
     # What the nvidia module it builds shows while loaded.
     node.kernel.proc_files["nvidia"] = (NVIDIA_VERSION_FILE, nvidia_banner(spec, node.arch))
@@ -481,9 +500,12 @@ def gpu_driver_container(node: Node, spec: GpuSpec, name: str = "nvidia-driver-c
         "GPU driver",
         lambda c: _gpu_body(node, spec, c),
         init=lambda c: _driver_manager(node, spec, c),
-        # The runtime's overlay for each start, bind-mounted at /run/nvidia/driver by the
-        # script itself; its entrypoint as shipped (command nvidia-driver, args init).
-        rootfs="run/nvidia/driver",
+        # The runtime's overlay for each start, new and without a module tree: what the
+        # script installs into and its modprobe loads from; the script bind-mounts it at
+        # /run/nvidia/driver only after its loads (_gpu_body). Its entrypoint as shipped
+        # (command nvidia-driver, args init).
+        rootfs=container_root(name),
+        fresh_root=True,
         cmdline=("/bin/bash", "/usr/local/bin/nvidia-driver", "init"),
     )
 
@@ -508,19 +530,74 @@ def _driver_manager(node: Node, spec: GpuSpec, c: Container) -> None:
     c.say(f"k8s-driver-manager: MOFED found ({what}); done")
 
 
+# The GPU driver container's entrypoint is NVIDIA/gpu-driver-container's nvidia-driver
+# (../shared/operators/gpu-driver-container/, pinned at 06a208c). Line numbers below are
+# rhel9/nvidia-driver's (the seeds' RHCOS; its set -e makes a failed peermem load exit)
+# and ubuntu22.04/nvidia-driver's where the step is the same.
+# ubuntu22.04's rmmod order (472-490). rhel9 lists nvidia before nvidia-peermem (533-541),
+# an rmmod that fails on nvidia while nvidia_peermem holds it: not modelled.
+GPU_UNLOAD_ORDER = ("nvidia_modeset", "nvidia_uvm", "nvidia_peermem", "nvidia")
+
+
+def _unload_driver(node: Node, c: Container) -> bool:
+    """``_unload_driver`` (rhel9 439-551; ubuntu22.04 388-503): refuses, unloading nothing,
+    when any of nvidia's modules has a user other than the rest of them (rhel9 542-545);
+    else one ``rmmod`` of those loaded (547-549)."""
+    k = node.kernel
+    loaded = {m: st for m in GPU_UNLOAD_ORDER if (st := k.module(m)) is not None}
+    if not loaded:
+        return True
+    deps = sum(1 for m in loaded if m != "nvidia")
+    nvidia = loaded.get("nvidia")
+    if (nvidia is not None and nvidia.refcnt > deps) or any(
+        st.refcnt for m, st in loaded.items() if m != "nvidia"
+    ):
+        c.say("Could not unload NVIDIA driver kernel modules, driver is in use")
+        return False
+    for m in loaded:
+        try:
+            k.remove(m)
+        except ModuleOpError as exc:  # rmmod's own error (set -e: the script exits)
+            c.say(f"rmmod: ERROR: Module {m} is {exc.detail}")
+            return False
+    return True
+
+
+def _unmount_rootfs(node: Node, c: Container) -> None:
+    """``_unmount_rootfs`` (rhel9 603-608; ubuntu22.04 549-554): ``umount -l -R
+    /run/nvidia/driver`` when findmnt lists it."""
+    if node.kernel.is_mounted(GPU_DRIVER_ROOT):
+        c.say("Unmounting NVIDIA driver rootfs (/run/nvidia/driver)")
+        node.kernel.unmount(GPU_DRIVER_ROOT)
+
+
 def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
     k = node.kernel
     say = c.say
+    assert c.rootfs is not None
+    own = c.rootfs  # the container's "/": where it installs and what its modprobe reads
     holding = False
+    mounted = False
+
+    def shutdown() -> None:
+        """``_shutdown`` (rhel9 631-638; ubuntu22.04 577-584): ``_unload_driver`` (which
+        first stops nvidia-persistenced, rhel9 447-460) and, only if that worked,
+        ``_unmount_rootfs``."""
+        nonlocal holding
+        if holding and k.module("nvidia") is not None:
+            k.put_module("nvidia")
+        holding = False
+        if _unload_driver(node, c):
+            _unmount_rootfs(node, c)
+
     try:
-        for m in ("nvidia_peermem", "nvidia_modeset", "nvidia_uvm", "nvidia"):
-            if k.module(m) is None:
-                continue
-            try:
-                k.remove(m)
-            except ModuleOpError:
-                say("Could not unload NVIDIA driver kernel modules, driver is in use")
-                raise ContainerExit(1) from None
+        # init (rhel9 881-896; ubuntu22.04 790-847): `_unload_driver || exit 1` (890;
+        # ubuntu22.04 825), `_unmount_rootfs` (891; 826): the previous start's root, if
+        # still bound, goes from /run/nvidia/driver before anything is built.
+        if not _unload_driver(node, c):
+            raise ContainerExit(1)
+        _unmount_rootfs(node, c)
+        # _build (rhel9 893 -> 858-871): in the driver toolkit on OpenShift.
         if node.dtk_busy:
             say("Waiting for the driver toolkit (busy with MOFED)")
             while node.dtk_busy:
@@ -539,24 +616,44 @@ def _gpu_body(node: Node, spec: GpuSpec, c: Container) -> None:
             say("No MOFED headers: nvidia-peermem.ko not built")
             specs = tuple(s for s in GPU_MODULES if s.name != PEERMEM)
         node.sleep(spec.build_s + spec.install_s if first else spec.install_s)
-        node.install(spec.gen, specs, "gpu", against=headers)
+        node.install(spec.gen, specs, own, against=headers)  # into its own /lib/modules
         c.pod["built"] = True
-        for m in ("nvidia", "nvidia_uvm", "nvidia_modeset"):
-            k.modprobe(m, node.gpu_moddir)
+        # _load (rhel9 873-879): _load_driver (874 -> 393-436; ubuntu22.04 842 -> 348-385),
+        # from the container's own tree; /run/nvidia/driver is still empty.
+        for m in ("nvidia", "nvidia_uvm", "nvidia_modeset"):  # rhel9 423-425
+            k.modprobe(m, node.moddir(own))
             node.sleep(spec.modprobe_gap_s)
         say("Loaded nvidia, nvidia-uvm, nvidia-modeset")
-        if node.mode.rdma:  # _load_driver: no wait of its own
+        if node.mode.rdma:  # rhel9 428-433 (ubuntu22.04 377-382): no wait of its own
             say("Loading NVIDIA Peer Memory kernel module: modprobe -a nvidia-peermem")
             try:
-                k.modprobe(PEERMEM, node.gpu_moddir)
+                k.modprobe(PEERMEM, node.moddir(own))
             except ModuleOpError as exc:
-                say(tool_error(exc))
+                say(tool_error(exc))  # set -e: the script exits; its EXIT trap runs
                 raise ContainerExit(1) from None
-        k.get_module("nvidia")  # nvidia-persistenced holds the device
+        k.get_module("nvidia")  # _start_daemons (rhel9 435): nvidia-persistenced holds it
         holding = True
+        # _mount_rootfs (rhel9 875 -> 585-600; ubuntu22.04 843 -> 540-546): `mount --rbind /
+        # /run/nvidia/driver`, only now. The sidecar's chroot loads through it.
+        say("Mounting NVIDIA driver rootfs at /run/nvidia/driver")
+        k.bind_mount(own, GPU_DRIVER_ROOT)
+        mounted = True
         node.write(CTR_READY)
+        # _wait_for_signal (rhel9 802-809): `trap - EXIT`; SIGTERM runs `_shutdown`.
         say("Done, now waiting for signal")
         node.sleep(INF)
+    except Killed:
+        raise  # SIGKILL (a failed probe): no trap runs; a bound root stays bound
+    except Terminated:
+        # SIGTERM: before _wait_for_signal the trap is `exit 1` (rhel9 855), so the EXIT
+        # trap's _shutdown (856); in it, `_shutdown && exit 0` (805). Either way, _shutdown.
+        say("Caught signal")
+        shutdown()
+        raise
+    except ContainerExit:
+        if not mounted:  # an exit before _wait_for_signal: the EXIT trap (rhel9 856)
+            shutdown()
+        raise
     finally:
         if holding and k.module("nvidia") is not None:
             k.put_module("nvidia")
@@ -570,7 +667,10 @@ def peermem_sidecar(node: Node, driver: Container, poll_s: float = 10.0) -> Cont
     Waits (every 10 s) for MOFED (the ready flag, or ``mlx5_core`` with host
     MOFED) and ``.driver-ctr-ready``; already loaded -> sleeps; else one
     ``chroot /run/nvidia/driver modprobe nvidia-peermem``: success -> sleeps,
-    failure -> exit 1. Its probes (``probe_nvidia_peermem``) fail while
+    failure -> exit 1. The chroot is the driver container's root as bound at
+    ``/run/nvidia/driver`` (rhel9/nvidia-driver 987, ubuntu22.04 936): empty
+    until that container's ``_mount_rootfs``, which comes before
+    ``.driver-ctr-ready``. Its probes (``probe_nvidia_peermem``) fail while
     ``mlx5_core`` is loaded and ``nvidia_peermem`` is not, which restarts it.
     """
     if not node.mode.rdma:
@@ -590,7 +690,7 @@ def peermem_sidecar(node: Node, driver: Container, poll_s: float = 10.0) -> Cont
             c.say("nvidia-peermem-ctr: nvidia-peermem module already loaded, skipping modprobe")
             node.sleep(INF)
         try:
-            k.modprobe(PEERMEM, node.gpu_moddir)
+            k.modprobe(PEERMEM, node.gpu_moddir)  # the host's run/nvidia/driver
         except ModuleOpError as exc:
             c.say(f"nvidia-peermem-ctr: {tool_error(exc)}")
             c.say("nvidia-peermem-ctr: failed to load nvidia-peermem module")

@@ -22,7 +22,9 @@ Processes and filesystems, for the fanotify hold (``sim/fanotify.py``): every
 ``modprobe`` an actor runs is a process (``comm`` modprobe) that opens each
 module file through the permission contract before it inserts it, as libkmod
 does; a container runtime mounts a new overlay superblock for each start of a
-container (``mount_overlay``). The process table is written where the agent's
+container (``mount_overlay``), and a bind mount shows one at a second path, on the
+same superblock (``bind_mount``: the GPU driver container's root at
+``/run/nvidia/driver``). The process table is written where the agent's
 ``/proc`` reader looks (``proc_dir``) only once a fanotify group exists, so a
 run without the hold sees no change at all. The agent's own loads (a thread,
 not an actor) are not put through the contract: the shipped responder allows
@@ -264,6 +266,7 @@ class SimKernel:
         self._on_going: dict[str, list[Callable[[], None]]] = {}
         # Filesystems (mount prefix, host-relative -> superblock), processes, fanotify groups.
         self.superblocks: dict[str, int] = {"": HOST_SB}
+        self.binds: dict[str, str] = {}  # bind mounts: where (host-relative) -> what
         self._sb_ids = itertools.count(HOST_SB + 1)
         self.fanotify_groups: list[SimFanotify] = []
         self.procs: dict[int, SimProc] = {1: SimProc(1, "systemd", ("/sbin/init",), "", "host")}
@@ -357,9 +360,40 @@ class SimKernel:
         self.superblocks[rel.strip("/")] = sb
         return sb
 
+    def bind_mount(self, src: str, dst: str) -> int:
+        """``mount --rbind <src> <dst>``: the filesystem at ``src`` seen at ``dst`` too, the
+        same superblock (its marks cover both paths). The files are copied to ``dst``, which
+        is left an empty directory at the unmount: what is under ``src`` must not change
+        while it is bound (nothing writes the driver's root after its mount)."""
+        src, dst = src.strip("/"), dst.strip("/")
+        self.unmount(dst)
+        sb = self.superblock_of(src)
+        target = self.root / dst
+        shutil.copytree(self.root / src, target, symlinks=True, dirs_exist_ok=True)
+        self.superblocks[dst] = sb
+        self.binds[dst] = src
+        self.version += 1
+        return sb
+
+    def is_mounted(self, rel: str) -> bool:
+        """``findmnt -r -o TARGET | grep <rel>``: something is mounted at ``rel``."""
+        return rel.strip("/") in self.superblocks
+
     def unmount(self, rel: str) -> None:
-        sb = self.superblocks.pop(rel.strip("/"), None)
-        if sb is not None:
+        """``umount``: ``rel`` shows what is under it again (a bind: an empty directory).
+        The superblock goes, with its marks, once no mount shows it (a bind of a
+        container's root keeps that root's filesystem after the container is gone)."""
+        rel = rel.strip("/")
+        sb = self.superblocks.pop(rel, None)
+        if self.binds.pop(rel, None) is not None:
+            target = self.root / rel
+            for child in list(target.iterdir()) if target.is_dir() else ():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+            self.version += 1
+        if sb is not None and sb not in self.superblocks.values():
             for g in self.fanotify_groups:
                 g.drop_superblock(sb)
 

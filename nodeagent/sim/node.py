@@ -28,7 +28,7 @@ from nodeagent.sim.modtree import (
     write_symvers,
 )
 
-__all__ = ["COLUMNS", "LOCK", "Node", "SimEvent"]
+__all__ = ["COLUMNS", "GPU_DRIVER_ROOT", "LOCK", "Node", "SimEvent"]
 
 COLUMNS = ("MOFED", "GPU driver", "agent", "kernel")
 
@@ -41,6 +41,8 @@ ROOT_MOUNT = "22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw,error
 BLACKLIST = "etc/modprobe.d/blacklist-ofed-modules.conf"
 GATE = "run/nodeagent/peermem.gate"  # what the agent publishes; no operator container reads it
 CTR_READY = "run/nvidia/validations/.driver-ctr-ready"
+# Where the GPU driver container bind-mounts its own root (nvidia-driver _mount_rootfs).
+GPU_DRIVER_ROOT = "run/nvidia/driver"
 BLACKLISTED = [
     "mlx5_core",
     "mlx5_ib",
@@ -125,7 +127,7 @@ class Node:
 
     @property
     def gpu_moddir(self) -> Path:
-        return self.root / "run/nvidia/driver/lib/modules" / self.kver
+        return self.root / GPU_DRIVER_ROOT / "lib/modules" / self.kver
 
     @property
     def mofed_symvers(self) -> Path:
@@ -134,7 +136,11 @@ class Node:
         ) / "Module.symvers"
 
     def moddir(self, where: str) -> Path:
-        return {"host": self.host_moddir, "mofed": self.mofed_moddir, "gpu": self.gpu_moddir}[where]
+        """``host``, ``mofed``, ``gpu`` (the GPU driver root as the host sees it, at
+        ``run/nvidia/driver``), or a container's own root (host-relative, e.g. the runtime's
+        overlay of the GPU driver container): that tree's ``lib/modules/<kver>``."""
+        named = {"host": self.host_moddir, "mofed": self.mofed_moddir, "gpu": self.gpu_moddir}
+        return named.get(where) or self.root / where.strip("/") / "lib/modules" / self.kver
 
     # -- time and timeline ------------------------------------------------------
 

@@ -356,7 +356,6 @@ def _mofed_upgrade(node: Node, agent: bool) -> Cast:
     node.sched.sleep(2)
     wanted = _configure_vfs(node, 50)
     attached = _attach_vfs(node)
-    node.install(NVIDIA, GPU_MODULES, "gpu", against=node.headers())  # built on 25.07
     old = mofed_container(node, MofedSpec(MOFED_2507, "25.07-0.9.7.0"))
     old.pod["built"] = True  # its driver-toolkit build is done: it goes straight to "match"
     new = mofed_container(
