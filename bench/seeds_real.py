@@ -145,6 +145,15 @@ def words(row: dict[str, Any]) -> list[str]:
     for h in row.get("held", [])[:1]:
         ended = ", ".join(sorted({r.get("ended", "?") for r in row.get("records", [])}))
         out.append(f"held: {h['opener']}'s open of {Path(h['path']).name} (ended: {ended or '?'})")
+    if row.get("driver_root"):
+        out.append(f"/run/nvidia/driver: {'; '.join(row['driver_root'])}")
+    for note in row.get("gate_notes", [])[:1]:
+        out.append(f"the gate's note: {note}")
+    if "abi_checked_after_s" in row:
+        after = row["abi_checked_after_s"]
+        out.append(f"nvidia-peermem.ko checked on the mounted root: {after} s after its mount")
+    if row.get("gate_after_release"):
+        out.append(f"the gate after the release: {' -> '.join(row['gate_after_release'])}")
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -59,12 +59,19 @@ def build_lower(lower: Path, tools: list[str]) -> None:
         script.chmod(0o755)
 
 
-def driver_image(lower: Path, entry: str, kver: str, modules: Mapping[str, Path]) -> None:
+def driver_image(
+    lower: Path,
+    entry: str,
+    kver: str,
+    modules: Mapping[str, Path],
+    tools: Sequence[str] = (),
+) -> None:
     """A GPU driver image layer: kmod's tools under ``/usr/sbin``, ``entry`` as its
     entrypoint script, and ``modules`` (a path under ``lib/modules/<kver>/`` -> a built
-    ``.ko``) with the ``modules.dep`` its own ``depmod`` writes."""
+    ``.ko``) with the ``modules.dep`` its own ``depmod`` writes; ``tools`` (absolute
+    paths), more of the host's tools with their libraries (e.g. ``mount``)."""
     kmod = shutil.which("kmod") or "/usr/bin/kmod"
-    build_lower(lower, [kmod])
+    build_lower(lower, [kmod, *tools])
     (lower / ENTRYPOINT.lstrip("/")).write_text(entry)
     (lower / "usr/sbin").mkdir(parents=True, exist_ok=True)
     for n in ("modprobe", "insmod", "modinfo", "depmod"):
@@ -115,6 +122,7 @@ def start(
     user_namespace: bool = False,
     flip_to_tmpfs: bool = False,
     flip_to_overlay: bool = False,
+    bidirectional: Path | None = None,
     output: IO[bytes] | None = None,
 ) -> Container:
     """A container start: a new overlay (its own upper/work under ``top``), entered.
@@ -127,6 +135,13 @@ def start(
     becomes that tmpfs, same pid (a process flipping its root under a scanner);
     ``flip_to_overlay``: the same with a second overlay of the image (upper/work of its
     own) at ``/flip``: a driver container that ``chroot``s into a new overlay;
+    ``bidirectional``: a host directory, a *shared* mount (``mount --make-rshared``), bound
+    at the same path in its root as a pod's ``mountPropagation: Bidirectional`` volume is:
+    what the container mounts under it, the host sees there (and the container gets a
+    ``/proc``, which its ``mount`` and ``findmnt`` read). As containerd does for such a pod
+    (its root ``rshared``), the namespace keeps the host's propagation (``unshare
+    --propagation unchanged``), so every shared mount of the host stays a peer: use it
+    where the others are private (the real-kernel guest's are);
     ``output``: where its stdout and stderr go (the container's log), inherited otherwise."""
     n = len(list(top.glob("start-*")))
     base = top / f"start-{n}"
@@ -148,11 +163,20 @@ def start(
         fopts = f"lowerdir={lower},upperdir={fu},workdir={fw}"
         script += f" && mkdir -p {merged}/flip && mount -t overlay overlay -o {fopts} {merged}/flip"
         argv = (FLIP_ENTRYPOINT, "init")
+    propagation = "private"
+    if bidirectional is not None:
+        # A bind of a shared mount joins its peer group: mounts under it propagate both ways.
+        inside = f"{merged}{bidirectional}"
+        script += (
+            f" && mount -t proc proc {merged}/proc"
+            f" && mkdir -p {inside} && mount --rbind {bidirectional} {inside}"
+        )
+        propagation = "unchanged"
     drop = "setpriv --bounding-set -sys_module " if drop_sys_module else ""
     script += f' && exec {drop}chroot {merged} "$@"'
     userns = ["-U", "-r"] if user_namespace else []
     proc = subprocess.Popen(
-        ["unshare", *userns, "-m", "--propagation", "private", "sh", "-c", script, "sh", *argv],
+        ["unshare", *userns, "-m", "--propagation", propagation, "sh", "-c", script, "sh", *argv],
         stdin=subprocess.PIPE,
         stdout=output,
         stderr=None if output is None else subprocess.STDOUT,

@@ -18,9 +18,16 @@ containers do (``nodeagent/sim/actors.py`` models the same ones):
   line ``nvidia-driver init``, its image's module tree holding the kernel's own
   ``ib_core`` (the inbox one) next to ``nvidia.ko`` and ``nvidia-peermem.ko``; its init
   container (``k8s-driver-manager`` v0.9) waits for any ``mlx5_core`` in
-  ``/proc/modules``, which the inbox stack satisfies at once; after its build it runs
-  ``modprobe nvidia`` and ``modprobe -a nvidia-peermem`` (``_load_driver``), mid-restart,
-  and a failed load exits it non-zero: the kubelet starts it again, a new overlay;
+  ``/proc/modules``, which the inbox stack satisfies at once; in the real ``init``'s
+  order (``gpu-driver-container`` ubuntu22.04/nvidia-driver 825-846, rhel9 872-889) it
+  unmounts ``/run/nvidia/driver`` (``_unmount_rootfs``), and after its build runs
+  ``modprobe nvidia`` and ``modprobe -a nvidia-peermem`` (``_load_driver``) from its own
+  root, mid-restart; a failed load exits it non-zero (the kubelet starts it again, a new
+  overlay); only after its loads returned does it ``mount --rbind / /run/nvidia/driver``
+  (``_mount_rootfs``), which the host sees through the pod's Bidirectional ``/run/nvidia``
+  (a shared mount the container's namespace has a peer of), and its EXIT trap unmounts it
+  (``_shutdown``). So the host's ``/run/nvidia/driver`` is an empty mount point while it
+  loads, as on a node: the agent finds no ``nvidia-peermem.ko`` there until then;
 - **the agent:** the real ``nodeagent run`` process (``guest_agent.py``), the
   peermem-hold component's config, ``--mode enforce``.
 
@@ -29,7 +36,12 @@ container's build lasts until the test says go, at the seeds' relative order (MO
 unload done, then the GPU container's load, then MOFED's insert). Where the agent's
 part is a held load, the test waits for that hold (the load would wait however long
 MOFED's insert took). Each replay is a plain function returning a row: the bench
-(``bench/seeds_real.py``) prints the same rows as a table.
+(``bench/seeds_real.py``) prints the same rows as a table. The upgrade replay's row says
+what ``/run/nvidia/driver`` was at the load, after it and after the container's stop
+(``driver_root``); with the agent, the gate's notes while the held load went on, and how
+long after the root's mount the gate had checked ``nvidia-peermem.ko`` there. The
+restart replay's healthy node has the image itself at ``/run/nvidia/driver`` (a driver
+container past its ``init``; none runs).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +76,11 @@ from ..containerroot import Container
 PEER_SYM = "ib_register_peer_memory_client"
 
 
-GPU_ROOT = Path("/run/nvidia/driver")
+# The driver pod's volume run-nvidia (hostPath /run/nvidia, mountPropagation: Bidirectional,
+# gpu-operator assets/state-driver/0500_daemonset.yaml 111-113) and the root its
+# container's _mount_rootfs rbinds under it.
+GPU_RUN = Path("/run/nvidia")
+GPU_ROOT = GPU_RUN / "driver"
 
 
 TOP = Path("/tmp/na-seeds")
@@ -146,9 +163,33 @@ PEERMEM = _module(
 BUILDS = (*INBOX.values(), *MOFED.values(), NVIDIA, PEERMEM)
 
 
-# The GPU driver container's entrypoint: its build lasts until the test says go (stdin
-# closed first: it ends without loading), then _load_driver's loads, as the seed logs them.
+# The GPU driver container's entrypoint, in nvidia-driver init's order (gpu-driver-container
+# ubuntu22.04/nvidia-driver 825-846: _unload_driver, _unmount_rootfs, the install,
+# _load_driver || exit 1, _mount_rootfs, _wait_for_signal; rhel9 882-889 with _load at
+# 872-876): its root unmounted from /run/nvidia/driver at the start (_unmount_rootfs,
+# 549-555, the same words), its build lasting until the test says go (stdin closed
+# first: it ends without loading), _load_driver's loads as the seed logs them, and only
+# after they returned its root rbind-mounted at /run/nvidia/driver (_mount_rootfs,
+# 540-546; the host sees it through the Bidirectional /run/nvidia: Node.start_gpu). Its
+# root has no /sys, so _mount_rootfs's two `mount --make-... /sys` are left out. A failed
+# load exits 1 (rhel9's set -e; ubuntu's `_load_driver || exit 1` does not exit there:
+# operators-real-scripts.md, row 2); at every exit the EXIT trap unmounts the root
+# (_shutdown, 577-583; the replay unloads no module, as before).
 GPU_ENTRY = """#!/bin/sh
+RUN_DIR=/run/nvidia
+_mount_rootfs() {
+  echo "Mounting NVIDIA driver rootfs..."
+  mkdir -p ${RUN_DIR}/driver
+  mount --rbind / ${RUN_DIR}/driver
+}
+_unmount_rootfs() {
+  echo "Unmounting NVIDIA driver rootfs..."
+  if findmnt -r -o TARGET | grep "${RUN_DIR}/driver" > /dev/null; then
+    umount -l -R ${RUN_DIR}/driver
+  fi
+}
+trap _unmount_rootfs EXIT
+_unmount_rootfs
 read go || exit 0
 /usr/sbin/modprobe nvidia || exit 1
 echo "Loading NVIDIA Peer Memory kernel module..."
@@ -156,9 +197,15 @@ echo "Loading NVIDIA Peer Memory kernel module..."
 rc=$?
 echo "modprobe-rc=$rc"
 [ "$rc" = 0 ] || exit 1
+_mount_rootfs
 echo "Done, now waiting for signal"
 read x
+exit 0
 """
+
+
+# What the entrypoint runs besides kmod (its image holds them with their libraries).
+GPU_TOOLS = ("mount", "umount", "findmnt", "grep", "mkdir")
 
 
 MOFED_ENTRY = (
@@ -197,6 +244,21 @@ def _dmesg_count() -> int:
     return len(kernel_lines(0))
 
 
+def _mounted(path: Path) -> bool:
+    """A mount at ``path`` in this (the host's) mount namespace. Not ``os.path.ismount``:
+    the self-bind of /run/nvidia is the same file system as /run."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+def _unmount(path: Path) -> None:
+    """Every mount stacked at ``path``, with what is under them (a leftover of a broken run)."""
+    for _ in range(8):
+        if not _mounted(path):
+            return
+        subprocess.run(["umount", "-R", "-l", str(path)], capture_output=True)
+
+
 @dataclass
 class Node:
     """The guest as a GPU node: trees, the containers started so far, the kernel log."""
@@ -222,13 +284,45 @@ class Node:
 
     def start_gpu(self) -> Container:
         """A driver pod start: its init container's wait (v0.9: any mlx5_core), then the
-        driver container, a new overlay."""
+        driver container, a new overlay, with the host's /run/nvidia bound in as the pod's
+        Bidirectional volume: its own ``mount --rbind / /run/nvidia/driver``
+        (``_mount_rootfs``) is what puts its root at the host's /run/nvidia/driver, when
+        its script gets there. The real propagation rather than the harness rbinding
+        ``/proc/<pid>/root`` there from the host's namespace: with the script's own mount
+        the root appears when the script gets there (after ``_load_driver`` returned,
+        ubuntu22.04 842-843) and goes at its ``_unmount_rootfs`` or EXIT trap, in the
+        container's mount namespace as on a node; nothing of it is the harness's timing."""
         until(lambda: "mlx5_core" in versions(), "k8s-driver-manager: an mlx5_core")
         log = TOP / f"gpu-{len(self.gpu)}.log"
         with log.open("wb") as out:
-            c = containerroot.start(self.lower, self.starts, output=out)
+            c = containerroot.start(self.lower, self.starts, bidirectional=GPU_RUN, output=out)
         self.gpu.append((c, log))
         return c
+
+    def stop_gpu(self) -> None:
+        """The driver pods stopped (stdin closed: the entrypoint's EXIT trap unmounts)."""
+        for c, _log in self.gpu:
+            c.stop()
+
+    def driver_root(self) -> str:
+        """What the host's /run/nvidia/driver is: "empty" (a mount point, nothing mounted),
+        "the container's root" (a running driver container's, the same overlay), or else
+        what it holds."""
+        if not _mounted(GPU_ROOT):
+            n = len(list(GPU_ROOT.iterdir()))
+            return "empty" if n == 0 else f"not mounted, {n} entries"
+        here = os.stat(GPU_ROOT)
+        for c, _log in self.gpu:
+            with contextlib.suppress(OSError):
+                root = os.stat(f"/proc/{c.pid}/root")
+                if (root.st_dev, root.st_ino) == (here.st_dev, here.st_ino):
+                    return "the container's root"
+        return "mounted, no running container's root"
+
+    def mount_image_root(self) -> None:
+        """A node whose driver container finished its init: its root at /run/nvidia/driver
+        (``_mount_rootfs``), which the image itself stands for (no container runs)."""
+        subprocess.run(["mount", "--rbind", str(self.lower), str(GPU_ROOT)], check=True)
 
     def gpu_log(self, i: int = -1) -> str:
         return self.gpu[i][1].read_text(errors="replace")
@@ -244,8 +338,10 @@ def until(pred: Callable[[], object], what: str) -> None:
 
 def _build_trees(node: Node) -> None:
     """MOFED's tree (its ``updates/``) and the GPU driver image (its tree, with the kernel's
-    own ``ib_core``), each with its modules.dep; the image is also where the agent reads
-    the GPU driver's root (the operator bind-mounts the container's root there)."""
+    own ``ib_core``), each with its modules.dep; the host's /run/nvidia a shared mount (the
+    pod's Bidirectional volume: the host sees what the container mounts there) with
+    /run/nvidia/driver an empty mount point: the container mounts its root there after its
+    load (``GPU_ENTRY``), where the agent reads the GPU driver's root from then on."""
     kver, built = node.kver, node.built
     updates = MOFED_ROOT / f"lib/modules/{kver}/updates"
     updates.mkdir(parents=True, exist_ok=True)
@@ -263,9 +359,13 @@ def _build_trees(node: Node) -> None:
             f"{drivers}/video/nvidia-peermem.ko": built(PEERMEM),
             f"{drivers}/infiniband/core/ib_core.ko": built(INBOX["ib_core"]),
         },
+        [shutil.which(t) or f"/usr/bin/{t}" for t in GPU_TOOLS],
     )
     GPU_ROOT.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "--bind", str(node.lower), str(GPU_ROOT)], check=True)
+    # On a node /run is shared (systemd); the guest's mounts are private: a self-bind of
+    # /run/nvidia made shared is the hostPath the kubelet requires for Bidirectional.
+    subprocess.run(["mount", "--bind", str(GPU_RUN), str(GPU_RUN)], check=True)
+    subprocess.run(["mount", "--make-rshared", str(GPU_RUN)], check=True)
 
 
 @contextlib.contextmanager
@@ -273,7 +373,8 @@ def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
     kver = os.uname().release
     for name in OURS:  # a real module of one of these names, left by an earlier test
         assert name not in versions(), f"{name} is loaded before the replay: {versions()}"
-    subprocess.run(["umount", "-R", "-l", str(GPU_ROOT)], capture_output=True)
+    _unmount(GPU_ROOT)
+    _unmount(GPU_RUN)
     subprocess.run(["umount", "-R", "-l", str(TOP)], capture_output=True)
     shutil.rmtree(TOP, ignore_errors=True)
     shutil.rmtree(MOFED_ROOT / "lib", ignore_errors=True)
@@ -285,15 +386,15 @@ def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
         _build_trees(node)
         yield node
     finally:
-        for c, _log in node.gpu:
-            c.stop()
+        node.stop_gpu()
         for mofed in node.mofeds:
             mofed.stop()
         _unload_ours()
         READY.unlink(missing_ok=True)
         BLACKLIST.unlink(missing_ok=True)
         shutil.rmtree(MOFED_ROOT / "lib", ignore_errors=True)
-        subprocess.run(["umount", "-R", "-l", str(GPU_ROOT)], capture_output=True)
+        _unmount(GPU_ROOT)
+        _unmount(GPU_RUN)
         subprocess.run(["umount", "-R", "-l", str(TOP)], capture_output=True)
 
 
@@ -306,6 +407,34 @@ def _exited(c: Container) -> int | None:
 
 def _held_records(agent: GuestAgent) -> list[dict[str, Any]]:
     return [r for r in agent.records() if r.get("kind") == "held-open"]
+
+
+def _peermem(agent: GuestAgent) -> dict[str, Any]:
+    """status.json's peermem verdict ({} before the first)."""
+    return ((agent.status() or {}).get("guards") or {}).get("peermem") or {}
+
+
+def _gate_notes(agent: GuestAgent) -> list[str]:
+    """The peermem verdict's notes (what an open gate rests on)."""
+    return [str(n) for n in _peermem(agent).get("notes") or []]
+
+
+def _abi(agent: GuestAgent) -> dict[str, Any]:
+    """The peermem verdict's ABI preflight: ``checked``, ``deferred`` and the rest."""
+    return dict((_peermem(agent).get("evidence") or {}).get("abi") or {})
+
+
+def _gate_since(agent: GuestAgent, ts: float) -> list[str]:
+    """The peermem gate's decisions in the timeline from ``ts`` on, each its verdict and
+    first reason, a repeat of the one before left out."""
+    out: list[str] = []
+    for r in agent.records():
+        if r.get("kind") != "decision" or r.get("guard") != "peermem" or r.get("ts", 0) < ts:
+            continue
+        said = str(r.get("verdict")) + "".join(f": {x}" for x in (r.get("reasons") or [])[:1])
+        if not out or out[-1] != said:
+            out.append(said)
+    return out
 
 
 def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[str, Any]:
@@ -336,10 +465,13 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
             assert mofed.said("HCA driver unloaded"), mofed.log.read_text()
             gpu.send("go")  # the driver's build done: its loads, mid-restart
             if agent is None:
+                row["driver_root"] = [f"at the load: {node.driver_root()}"]
                 until(lambda: _exited(gpu) is not None, "the driver container's load ended")
             else:
                 agent.until(lambda: agent.hold().get("held"), "the driver container's load held")
                 row["held"] = [dict(h) for h in agent.hold()["held"]]
+                row["driver_root"] = [f"at the load: {node.driver_root()}"]
+            notes: set[str] = set()  # the gate's notes while the held load goes on
             mofed.step()  # MOFED inserts its stack, writes the flag
             until(
                 lambda: mofed.said("Setting driver ready state") or mofed.proc.poll() is not None,
@@ -354,15 +486,33 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
                         lambda c=again: _exited(c) is not None,  # type: ignore[misc]
                         "the restarted container's load ended",
                     )
+                row["driver_root"].append(f"after the load: {node.driver_root()}")
             else:
+
+                def went_on() -> bool:
+                    notes.update(_gate_notes(agent))
+                    return "modprobe-rc=" in node.gpu_log() or _exited(gpu) is not None
+
+                until(went_on, "the held load went on")
                 until(
-                    lambda: "modprobe-rc=" in node.gpu_log() or _exited(gpu) is not None,
-                    "the held load went on",
+                    lambda: "Done, now waiting" in node.gpu_log() or _exited(gpu) is not None,
+                    "the driver container's _mount_rootfs",
                 )
-                agent.until(lambda: agent.verdict("peermem") == "open", "the gate open")
+                row["driver_root"].append(f"after the load: {node.driver_root()}")
+                # With the root mounted the gate checks the file there (the ABI preflight
+                # no longer deferred): open on MOFED's ib_core. A mount wakes no pass: the
+                # agent sees it at its next pass (an event, or the resync).
+                mounted_at = time.monotonic()
+                agent.until(
+                    lambda: agent.verdict("peermem") == "open" and _abi(agent).get("checked"),
+                    "the gate open, nvidia-peermem.ko checked on the mounted root",
+                )
+                row["abi_checked"] = _abi(agent)["checked"]
+                row["abi_checked_after_s"] = round(time.monotonic() - mounted_at, 1)
                 # The held open's record: written by the pass after the release.
                 agent.until(lambda: _held_records(agent), "the held open's timeline record")
                 row["records"] = _held_records(agent)
+                row["gate_after_release"] = _gate_since(agent, row["records"][0]["ts"])
             logs = [node.gpu_log(i) for i in range(len(node.gpu))]
             row["failed_loads"] = sum(log.count(EINVAL_WORDS) for log in logs)
             row["container_exits"] = sum(1 for c, _ in node.gpu if _exited(c) not in (None, 0))
@@ -374,6 +524,9 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
             row["peermem_loaded"] = "nvidia_peermem" in loaded
             row["ib_core"] = loaded.get("ib_core")
             row["mofed_log"] = mofed.log.read_text(errors="replace").splitlines()
+            row["gate_notes"] = sorted(notes)
+            node.stop_gpu()
+            row["driver_root"].append(f"after the stop: {node.driver_root()}")
         finally:
             if agent is not None:
                 row["agent_exit"] = agent.stop()
@@ -391,7 +544,9 @@ def replay_restart_over_peermem(
     agent = GuestAgent() if with_agent else None
     with seed_node(built) as node:
         try:
-            # Healthy: MOFED's stack, its flag, nvidia and peermem on MOFED's ib_core.
+            # Healthy: MOFED's stack, its flag, nvidia and peermem on MOFED's ib_core, the
+            # driver container's root at /run/nvidia/driver (its init done).
+            node.mount_image_root()
             subprocess.run(["modprobe", "-d", str(MOFED_ROOT), "mlx5_ib"], check=True)
             READY.write_text("")
             for name in ("nvidia", "nvidia-peermem"):

@@ -71,6 +71,12 @@ def test_kernel_upgrade_race_without_the_agent_the_kernel_refuses_peermem(
     ), row["kernel_words"]
     assert row["mofed_ready"] and row["ib_core"] == "inbox", row
     assert not row["peermem_loaded"]
+    # Every start failed in _load_driver, before its _mount_rootfs: the root never mounted.
+    assert row["driver_root"] == [
+        "at the load: empty",
+        "after the load: empty",
+        "after the stop: empty",
+    ], row["driver_root"]
 
 
 def test_kernel_upgrade_race_with_the_agent_the_load_waits_and_goes_on(
@@ -83,6 +89,14 @@ def test_kernel_upgrade_race_with_the_agent_the_load_waits_and_goes_on(
     assert held["opener"] == "modprobe", row["held"]
     assert held["path"].endswith(("/ib_core.ko", "/nvidia-peermem.ko")), row["held"]
     assert any(r.get("ended") == "gate opened" for r in row["records"]), row["records"]
+    # nvidia-driver init's order: /run/nvidia/driver empty while the held load waits (the
+    # gate opens at MOFED's flag without the file), the container's root there once its
+    # load returned (_mount_rootfs), unmounted at its stop (_shutdown).
+    assert row["driver_root"] == [
+        "at the load: empty",
+        "after the load: the container's root",
+        "after the stop: empty",
+    ], row["driver_root"]
     assert not any("disagrees about version" in line for line in row["kernel_words"]), row
     assert row["peermem_loaded"] and row["ib_core"] == "mofed", row
     assert row["agent_exit"] == 0, row["agent_log_tail"]
