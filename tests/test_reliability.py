@@ -517,3 +517,43 @@ def test_an_agent_released_or_stopped_keeps_no_file_of_the_node_open(tmp_path: P
         assert not [p for p in _open_under(tmp_path) if p.endswith(".ko")]
     finally:
         node.kernel.uevent_source.close()
+
+
+def test_a_driver_root_mounted_mid_observation_is_never_seen_mounted_and_empty(
+    tmp_path: Path,
+) -> None:
+    """The GPU driver container mounts its root right after its own load, so a pass woken by
+    that load can observe across the mount, and a mount wakes no later pass. The root's
+    listing is read before the trees: the mount landing after the trees were read leaves
+    the root seen empty (the gate defers), never mounted without its file ("cannot
+    verify", closed until the next resync: seen in the real-kernel replay, issue 65)."""
+    import shutil
+
+    from nodeagent.core.peermem import PeermemGate
+    from nodeagent.host.observe import Observer
+    from tests.healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    node.kernel.uevent_source.close()
+    driver = tmp_path / "run/nvidia/driver"
+    image = tmp_path / "image"
+    shutil.move(driver, image)
+    driver.mkdir()
+    gate = PeermemGate()
+    observer = Observer(HostRoot(str(tmp_path)), Config(host_root=str(tmp_path)), gate.needs())
+    read_disk = observer._read_disk
+
+    def trees_then_the_mount(*args: Any) -> Any:
+        got = read_disk(*args)
+        driver.rmdir()
+        shutil.copytree(image, driver)  # the root appears right after the trees were read
+        return got
+
+    observer._read_disk = trees_then_the_mount  # type: ignore[method-assign]
+    try:
+        snap = observer.observe(time.time())
+    finally:
+        observer.close()
+    verdict = gate.decide(snap, gate.initial_memory()).verdict
+    assert verdict.verdict == "open", verdict.reasons
+    assert verdict.evidence["abi"].get("deferred")

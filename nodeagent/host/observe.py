@@ -402,6 +402,10 @@ class Observer:
     def _observe(self, now: float) -> NodeSnapshot:
         needs = self.needs
         kernel, problems = self.read_kernel()
+        # Listings before the trees: a driver root mounted between the two would otherwise
+        # be seen mounted with its file not found ("cannot verify"), and a mount wakes no
+        # pass; in this order the file is found, or the root is seen empty (issue 65).
+        listings = {d: tuple(self.host.listing(d, problems)) for d in sorted(needs.listings)}
         disk = self._read_disk(needs.disk, kernel)
         wanted = set(needs.modules)
         for d in needs.disk:
@@ -431,9 +435,7 @@ class Observer:
             modules=MappingProxyType(dict(sorted(modules.items()))),
             disk=MappingProxyType(disk),
             files=MappingProxyType(files),
-            listings=MappingProxyType(
-                {d: tuple(self.host.listing(d, problems)) for d in sorted(needs.listings)}
-            ),
+            listings=MappingProxyType(listings),
             texts=MappingProxyType({t: self.read_text_fact(t) for t in sorted(needs.texts)}),
             locks=locks,
             mounts=mounts,
