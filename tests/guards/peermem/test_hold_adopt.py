@@ -78,7 +78,7 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
     root, driver = driver_root(tmp_path)
     modprobe = fake_modprobe(tmp_path)
     procs: list[subprocess.Popen[bytes]] = []
-    responder = 0
+    responder = second = 0
     with unmounted(driver):
         try:
             sup = _supervised(root)
@@ -138,12 +138,16 @@ def test_an_agent_killed_alone_leaves_its_load_held_and_the_next_one_adopts_it(
             until(lambda: not alive(responder), "the adopted responder outlived the stop")
             assert not sock.exists()
         finally:
+            # The agents too, found before the supervisor is killed: after, the one it ran
+            # is nobody's child, and left running it marks every driver container started
+            # on this machine (and holds their loads, its gate closed).
+            agents = [second, *([_agent_pid(procs[0].pid) or 0] if procs else [])]
             for p in procs:
                 if p.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGKILL)
                     p.wait(WAIT)
-            for pid in (responder,):
+            for pid in (responder, *agents):
                 if pid and alive(pid):
                     os.kill(pid, signal.SIGKILL)
 
