@@ -9,7 +9,8 @@ from typing import Any
 from nodeagent.core.snapshot import DiskModule, FileFact, FileId, LoadedModule, NodeSnapshot
 
 KVER = "5.14.0-427.96.1.el9_4.aarch64+64k"
-MOFED_DIR = f"run/mellanox/drivers/lib/modules/{KVER}/updates"
+MOFED_MODULES = "run/mellanox/drivers/lib/modules"
+MOFED_DIR = f"{MOFED_MODULES}/{KVER}/updates"
 GEN_A = {  # MOFED 25.07 srcversions (seed 003's transitions)
     "mlx5_core": "1852822C2F9ABA6A93704E4",
     "mlx5_ib": "0A1B2C3D4E5F60718293A4B",
@@ -84,7 +85,8 @@ def healthy(gen: dict[str, str] = GEN_B, now: float = 1000.0) -> NodeSnapshot:
                 )
             }
         ),
-        listings=MappingProxyType({VALIDATIONS: ()}),
+        # MOFED's tree on the host, for this kernel (core/peermem.py: its note otherwise)
+        listings=MappingProxyType({VALIDATIONS: (), MOFED_MODULES: (KVER,)}),
     )
 
 

@@ -219,3 +219,21 @@ def test_check_says_what_the_gate_means_before_the_driver_root_is_mounted(
     assert main(["check", "--host-root", str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["guards"]["peermem"]["evidence"]["abi"]["deferred"].startswith("nvidia-peermem")
+
+
+def test_check_on_a_node_whose_mofed_keeps_its_tree_in_its_container(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DOCA's driver container shares only its headers on the host (issue 65): with MOFED's
+    tree gone from run/mellanox/drivers, a healthy node's gate is open, with the note;
+    before, MOFED's loaded stack was compared with the host's inbox files: closed."""
+    import shutil
+
+    from tests.healthy import healthy_node
+
+    node = healthy_node(tmp_path)
+    node.kernel.uevent_source.close()
+    shutil.rmtree(tmp_path / "run/mellanox/drivers/lib")
+    assert main(["check", "--host-root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "peermem: open\n  note: MOFED's module files are not on the host" in out

@@ -531,3 +531,56 @@ def test_a_held_file_for_another_kernel_is_let_go_as_rebuild() -> None:
 def test_the_gate_needs_the_held_files_only_with_the_hold_on() -> None:
     assert not GATE.needs().held
     assert PeermemGate(PeermemPolicy(hold_loads="fanotify")).needs().held
+
+
+# -- MOFED's module tree not on the host (DOCA shares only its headers: issue 65) -----
+
+INBOX_DIR = "lib/modules/k/kernel/drivers/infiniband"
+
+
+def unshared(snap: NodeSnapshot, inbox_same_as_loaded: bool = False) -> NodeSnapshot:
+    """No MOFED tree for this kernel on the host; the stack's files found are the host's
+    inbox builds (other identities than the loaded ones, unless told)."""
+    disks = {}
+    for name in RDMA_STACK:
+        sv = snap.modules[name].srcversion if inbox_same_as_loaded else "1NB0X00000000000000000"
+        disks[name] = disk(name, sv, path=f"{INBOX_DIR}/{name}.ko")
+    snap = with_disk(snap, **disks)
+    listings = {**snap.listings, "run/mellanox/drivers/lib/modules": ("some-other-kernel",)}
+    return replace(snap, listings=MappingProxyType(listings))
+
+
+def test_with_mofeds_tree_not_on_the_host_the_fresh_flag_vouches_and_it_says_so() -> None:
+    d = decide(unshared(healthy()))
+    assert d.verdict.verdict == "open" and d.verdict.reasons == ()
+    (note,) = d.verdict.notes
+    assert "MOFED's module files are not on the host" in note
+    assert d.verdict.evidence["mofed_tree_on_host"] is False
+    # The providers' CRCs cannot be read from MOFED's files: unverifiable, as evidence.
+    assert d.verdict.evidence["abi"]["checked"] == []
+    assert any("ib_core" in u for u in d.verdict.evidence["abi"]["unverifiable"])
+
+
+def test_with_mofeds_tree_not_on_the_host_the_inbox_stack_loaded_closes_the_gate() -> None:
+    d = decide(unshared(healthy(), inbox_same_as_loaded=True))
+    assert d.verdict.verdict == "closed"
+    assert any("the host's inbox build" in r for r in d.verdict.reasons), d.verdict.reasons
+
+
+def test_with_mofeds_tree_not_on_the_host_a_restart_still_closes_the_gate() -> None:
+    d = decide(with_files(unshared(healthy()), flag(present=False)))
+    assert d.verdict.verdict == "closed"
+
+
+def test_an_unreadable_mofed_tree_is_not_an_absent_one() -> None:
+    snap = unshared(healthy())
+    snap = replace(snap, problems=("run/mellanox/drivers/lib/modules unreadable: Not a directory",))
+    d = decide(snap)
+    assert d.verdict.verdict == "closed" and d.verdict.notes == ()
+    assert any("is not the one on disk" in r for r in d.verdict.reasons)
+
+
+def test_host_mofed_is_never_judged_as_an_unshared_container_tree() -> None:
+    gate = PeermemGate(PeermemPolicy(mofed="host"))
+    d = gate.decide(unshared(healthy()), gate.initial_memory())
+    assert d.verdict.verdict == "closed" and d.verdict.notes == ()

@@ -191,7 +191,14 @@ class PeermemGate:
             ),
             files=self.mofed.files,
             present_if_odd=frozenset({self.mofed.blacklist}),
-            listings=frozenset({paths.validations, paths.memory_peers, paths.gpu_driver_root}),
+            listings=frozenset(
+                {
+                    paths.validations,
+                    paths.memory_peers,
+                    paths.gpu_driver_root,
+                    f"{paths.mofed_driver_root}/lib/modules",  # its tree for which kernels
+                }
+            ),
             texts=frozenset({paths.nvidia_version}),
             pci=self.policy.enabled == "auto",
             held=pol.hold_loads != "off",
@@ -358,6 +365,10 @@ class PeermemGate:
 
         # 4, 5. the RDMA stack, live and the one on disk
         stack_ev: dict[str, Any] = {}
+        unshared = self._mofed_tree_unshared(snap)
+        if unshared is not None:
+            notes.append(unshared)
+            evidence["mofed_tree_on_host"] = False
         for name in pol.rdma_stack:
             loaded = snap.module(name)
             disk = snap.disk_module(name)
@@ -370,6 +381,17 @@ class PeermemGate:
                     "rdma_stack_live",
                     f"{name} is not live (initstate {loaded.initstate or 'unreadable'})",
                 )
+                continue
+            if unshared is not None:
+                # MOFED's files are not on the host: the only file to compare with is the
+                # host's inbox build, and the loaded module being that one says MOFED's
+                # stack is not loaded; another says nothing against it.
+                if disk.path is not None and identity_mismatch(loaded, disk) is None:
+                    fail(
+                        "rdma_stack_on_disk",
+                        f"{name}: the loaded module is the host's inbox build ({disk.path}), "
+                        "not MOFED's: MOFED's stack is not loaded",
+                    )
                 continue
             mismatch = identity_mismatch(loaded, disk)
             if mismatch:
@@ -577,14 +599,31 @@ class PeermemGate:
                 )
         return {"file": list(h.file), "path": h.path, "verdict": verdict, "reason": reason}
 
+    def _mofed_tree_unshared(self, snap: NodeSnapshot) -> str | None:
+        """With MOFED in a container whose module tree is not on the host (DOCA's driver
+        container shares only its kernel headers at ``run/mellanox/drivers/usr/src``:
+        legacy ``entrypoint.sh`` ``mount_rootfs``, Go ``driver.go`` 486), what condition 5
+        means: the note saying so; None where MOFED's tree is there (or MOFED is the
+        host's). An unreadable directory is not an absent one (fail closed)."""
+        if self.policy.mofed != "container":
+            return None
+        where = f"{self.paths.mofed_driver_root}/lib/modules"
+        if not _lacks(snap, where, snap.kernel):
+            return None
+        return (
+            f"MOFED's module files are not on the host ({where}/{snap.kernel} absent: "
+            "its driver container keeps them in its own root): the fresh ready flag "
+            "vouches that the loaded RDMA stack is MOFED's, the stack is checked only not "
+            "to be the host's inbox build, and a provider's symbol CRCs are checked only "
+            "where its file is on the host"
+        )
+
     def _driver_root_unmounted(self, snap: NodeSnapshot, disk: DiskModule) -> str | None:
         """What the gate means while the GPU driver root is not mounted (empty or absent,
         and ``nvidia-peermem.ko`` in no tree): the note saying so; None otherwise. An
         unreadable root is not an empty one: it stays a reason (fail closed)."""
         root = self.paths.gpu_driver_root
-        if disk.path is not None or snap.listing(root):
-            return None
-        if any(p.startswith(f"{root} unreadable") for p in snap.problems):
+        if disk.path is not None or not _lacks(snap, root):
             return None
         return (
             f"nvidia-peermem.ko not checked: the GPU driver root {root} is not mounted yet "
@@ -607,6 +646,15 @@ class PeermemGate:
         if outcome.kernel_messages:
             error += " — kernel: " + " | ".join(outcome.kernel_messages[-4:])
         return replace(memory, failures=failures, retry_at=now + delay, last_error=error)
+
+
+def _lacks(snap: NodeSnapshot, directory: str, name: str | None = None) -> bool:
+    """Is ``directory`` known to hold nothing (or not ``name``): read, empty or absent? An
+    unreadable one (a symlink, a file) is not known to lack anything (fail closed)."""
+    if any(p.startswith(f"{directory} unreadable") for p in snap.problems):
+        return False
+    listed = snap.listing(directory)
+    return not listed if name is None else name not in listed
 
 
 # Saved memory (state.json): one row a PeermemMemory field, in the order they are checked;
