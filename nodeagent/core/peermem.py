@@ -386,7 +386,10 @@ class PeermemGate:
                 # MOFED's files are not on the host: the only file to compare with is the
                 # host's inbox build, and the loaded module being that one says MOFED's
                 # stack is not loaded; another says nothing against it.
-                if disk.path is not None and identity_mismatch(loaded, disk) is None:
+                inbox = disk.path is not None and not disk.path.startswith(
+                    f"{self.paths.mofed_driver_root}/"
+                )
+                if inbox and identity_mismatch(loaded, disk) is None:
                     fail(
                         "rdma_stack_on_disk",
                         f"{name}: the loaded module is the host's inbox build ({disk.path}), "
