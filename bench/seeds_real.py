@@ -41,10 +41,22 @@ AGENT_RUN = "nodeagent run --config deploy/components/peermem-hold/agent.toml --
 Replay = Callable[[Callable[[modbuild.KModule], Path], bool], dict[str, Any]]
 
 
+def _upgrade(**how: str) -> Replay:
+    """The upgrade replay with another GPU image (``built_against``) or load (``load_at``)."""
+    return lambda built, with_agent: upgrade.replay_upgrade(built, with_agent, **how)
+
+
 def replays() -> list[tuple[str, Replay, tuple[modbuild.KModule, ...]]]:
     """(name, replay, the modules it needs built), in the table's order."""
     return [
         ("upgrade", upgrade.replay_upgrade, upgrade.BUILDS),
+        ("upgrade-inbox-peermem", _upgrade(built_against="inbox"), upgrade.BUILDS),
+        ("upgrade-flag-pending", _upgrade(load_at=upgrade.FLAG_PENDING), upgrade.BUILDS),
+        (
+            "upgrade-flag-pending-inbox-peermem",
+            _upgrade(built_against="inbox", load_at=upgrade.FLAG_PENDING),
+            upgrade.BUILDS,
+        ),
         ("restart", upgrade.replay_restart_over_peermem, upgrade.BUILDS),
         ("storage", lambda _built, with_agent: storage.replay_storage(with_agent), ()),
         ("vf", lambda _built, with_agent: vf.replay_vf_restore(with_agent), ()),
@@ -142,9 +154,16 @@ def words(row: dict[str, Any]) -> list[str]:
     mofed = _words(row.get("mofed_words", []), *TOOL_NEEDLES)
     if mofed:
         out.append(f"MOFED: {mofed}")
-    for h in row.get("held", [])[:1]:
-        ended = ", ".join(sorted({r.get("ended", "?") for r in row.get("records", [])}))
-        out.append(f"held: {h['opener']}'s open of {Path(h['path']).name} (ended: {ended or '?'})")
+    if row.get("held") and not row.get("records"):
+        h = row["held"][0]
+        out.append(f"held: {h['opener']}'s open of {Path(h['path']).name} (no record)")
+    for r in row.get("records", []):  # each held open, and why it went where it says one
+        why = f": {r['why']}" if r.get("why") else ""
+        name = Path(str(r.get("path"))).name
+        out.append(f"held: {r.get('opener')}'s open of {name} (ended: {r.get('ended')}{why})")
+    rebuild = [d for d in row.get("gate_since_flag", []) if d.startswith("rebuild")]
+    if rebuild:
+        out.append(f"the gate: {rebuild[0]}")
     if row.get("driver_root"):
         out.append(f"/run/nvidia/driver: {'; '.join(row['driver_root'])}")
     for note in row.get("gate_notes", [])[:1]:

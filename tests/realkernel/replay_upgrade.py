@@ -159,8 +159,24 @@ PEERMEM = _module(
 )
 
 
+# The same module built against the inbox ib_core (a GPU image whose nvidia-peermem was
+# built before MOFED's headers were there): its __versions name the inbox CRC of the
+# peer-memory symbol, which MOFED's ib_core never exports.
+PEERMEM_INBOX = _module(
+    "nvidia-peermem",
+    "",
+    f"extern int {PEER_SYM}(void *client);\n"
+    "extern int nvidia_p2p_get_pages(void);\n"
+    + _init(f"{PEER_SYM}((void *)0) + nvidia_p2p_get_pages()"),
+    (INBOX["ib_core"], NVIDIA),
+)
+
+
+PEERMEM_BUILT_AGAINST = {"mofed": PEERMEM, "inbox": PEERMEM_INBOX}
+
+
 # Module-level, so the host builds them before the boot (modbuild).
-BUILDS = (*INBOX.values(), *MOFED.values(), NVIDIA, PEERMEM)
+BUILDS = (*INBOX.values(), *MOFED.values(), NVIDIA, PEERMEM, PEERMEM_INBOX)
 
 
 # The GPU driver container's entrypoint, in nvidia-driver init's order (gpu-driver-container
@@ -170,8 +186,10 @@ BUILDS = (*INBOX.values(), *MOFED.values(), NVIDIA, PEERMEM)
 # 549-555, the same words), its build lasting until the test says go (stdin closed
 # first: it ends without loading), _load_driver's loads as the seed logs them, and only
 # after they returned its root rbind-mounted at /run/nvidia/driver (_mount_rootfs,
-# 540-546; the host sees it through the Bidirectional /run/nvidia: Node.start_gpu). Its
-# root has no /sys, so _mount_rootfs's two `mount --make-... /sys` are left out. A failed
+# 540-546; the host sees it through the Bidirectional /run/nvidia: Node.start_gpu), /sys
+# kept out of it as there (runbindable). Its /sys is the runtime's (a privileged pod's):
+# mounted first here, as modprobe reads /sys/module/<m>/initstate to skip a module that is
+# loaded (without it, it opens and inserts every dependency, the kernel saying EEXIST). A failed
 # load exits 1 (rhel9's set -e; ubuntu's `_load_driver || exit 1` does not exit there:
 # operators-real-scripts.md, row 2); at every exit the EXIT trap unmounts the root
 # (_shutdown, 577-583; the replay unloads no module, as before).
@@ -179,6 +197,8 @@ GPU_ENTRY = """#!/bin/sh
 RUN_DIR=/run/nvidia
 _mount_rootfs() {
   echo "Mounting NVIDIA driver rootfs..."
+  mount --make-runbindable /sys
+  mount --make-private /sys
   mkdir -p ${RUN_DIR}/driver
   mount --rbind / ${RUN_DIR}/driver
 }
@@ -188,6 +208,7 @@ _unmount_rootfs() {
     umount -l -R ${RUN_DIR}/driver
   fi
 }
+mkdir -p /sys && mount -t sysfs sysfs /sys || exit 1
 trap _unmount_rootfs EXIT
 _unmount_rootfs
 read go || exit 0
@@ -226,6 +247,7 @@ for m in mlx5_core mlx5_ib; do
 done
 rm -f {BLACKLIST}
 say "Loading HCA driver and Access Layer: [  OK  ]"
+read flag || exit 0
 : > "$D/.driver-ready"
 say "Setting driver ready state"
 read stop
@@ -336,7 +358,7 @@ def until(pred: Callable[[], object], what: str) -> None:
     waiting.until(pred, what, WAIT)
 
 
-def _build_trees(node: Node) -> None:
+def _build_trees(node: Node, peermem: KModule = PEERMEM) -> None:
     """MOFED's tree (its ``updates/``) and the GPU driver image (its tree, with the kernel's
     own ``ib_core``), each with its modules.dep; the host's /run/nvidia a shared mount (the
     pod's Bidirectional volume: the host sees what the container mounts there) with
@@ -356,7 +378,7 @@ def _build_trees(node: Node) -> None:
         kver,
         {
             f"{drivers}/video/nvidia.ko": built(NVIDIA),
-            f"{drivers}/video/nvidia-peermem.ko": built(PEERMEM),
+            f"{drivers}/video/nvidia-peermem.ko": built(peermem),
             f"{drivers}/infiniband/core/ib_core.ko": built(INBOX["ib_core"]),
         },
         [shutil.which(t) or f"/usr/bin/{t}" for t in GPU_TOOLS],
@@ -369,7 +391,7 @@ def _build_trees(node: Node) -> None:
 
 
 @contextlib.contextmanager
-def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
+def seed_node(built: Callable[[KModule], Path], peermem: KModule = PEERMEM) -> Iterator[Node]:
     kver = os.uname().release
     for name in OURS:  # a real module of one of these names, left by an earlier test
         assert name not in versions(), f"{name} is loaded before the replay: {versions()}"
@@ -383,7 +405,7 @@ def seed_node(built: Callable[[KModule], Path]) -> Iterator[Node]:
     (TOP / "starts").mkdir()
     node = Node(kver, built, dmesg_from=_dmesg_count())
     try:
-        _build_trees(node)
+        _build_trees(node, peermem)
         yield node
     finally:
         node.stop_gpu()
@@ -403,6 +425,12 @@ EINVAL_WORDS = "could not insert 'nvidia_peermem': Invalid argument"
 
 def _exited(c: Container) -> int | None:
     return c.proc.poll()
+
+
+def _load_ended(node: Node, c: Container) -> bool:
+    """The driver container's load failed (it exited) or went on (its _mount_rootfs)."""
+    log = next(log for x, log in node.gpu if x is c).read_text(errors="replace")
+    return _exited(c) is not None or "Done, now waiting" in log
 
 
 def _held_records(agent: GuestAgent) -> list[dict[str, Any]]:
@@ -437,14 +465,46 @@ def _gate_since(agent: GuestAgent, ts: float) -> list[str]:
     return out
 
 
-def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[str, Any]:
+def _held_count(agent: GuestAgent) -> int:
+    """How many opens the hold has held so far (status.json's hold counts)."""
+    return int((agent.hold().get("counts") or {}).get("held") or 0)
+
+
+def peermem_records(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row's ``held-open`` records of ``nvidia-peermem.ko`` opens."""
+    return [r for r in row.get("records", []) if str(r.get("path")).endswith("/nvidia-peermem.ko")]
+
+
+SEEDS_ORDER = "unloaded"  # the GPU container's load after MOFED's unload (seeds 000-002)
+FLAG_PENDING = "inserted"  # after MOFED's insert, before its ready flag
+
+
+def replay_upgrade(
+    built: Callable[[KModule], Path],
+    with_agent: bool,
+    built_against: str = "mofed",
+    load_at: str = SEEDS_ORDER,
+) -> dict[str, Any]:
     """Seeds 000-002: after a kernel upgrade MOFED rebuilds and restarts its stack while
     the GPU driver container, released by any mlx5_core, loads nvidia-peermem mid-restart.
     A row: the loads that failed, the driver container's exits, the kernel's and the
-    tools' words, what is loaded at the end."""
-    row: dict[str, Any] = {"seed": "000-002 kernel upgrade", "agent": with_agent}
+    tools' words, what is loaded at the end.
+
+    ``built_against``: the ib_core the GPU image's ``nvidia-peermem.ko`` was built against
+    ("mofed": the one MOFED loads; "inbox": the kernel's own, whose CRC of the peer-memory
+    symbol MOFED's ib_core never exports). ``load_at``: where the driver container's load
+    falls in MOFED's restart: after its unload (``SEEDS_ORDER``: the container's
+    ``modprobe`` finds no ib_core and opens its image's first) or after its insert and
+    before its ready flag (``FLAG_PENDING``: MOFED's ib_core live, ``modprobe`` opens
+    ``nvidia-peermem.ko`` alone)."""
+    seed = "000-002 kernel upgrade"
+    if built_against != "mofed":
+        seed += f", peermem built against the {built_against} ib_core"
+    if load_at != SEEDS_ORDER:
+        seed += ", loaded between MOFED's insert and its flag"
+    row: dict[str, Any] = {"seed": seed, "agent": with_agent}
     agent = GuestAgent() if with_agent else None
-    with seed_node(built) as node:
+    with seed_node(built, PEERMEM_BUILT_AGAINST[built_against]) as node:
         try:
             node.boot()
             if agent is not None:
@@ -463,16 +523,27 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
                 lambda: mofed.said("HCA driver unloaded") or mofed.proc.poll() is not None, "unload"
             )
             assert mofed.said("HCA driver unloaded"), mofed.log.read_text()
+            if load_at == FLAG_PENDING:
+                mofed.step()  # MOFED inserts its stack (its flag still to come)
+                until(
+                    lambda: mofed.said("Access Layer: [  OK  ]") or mofed.proc.poll() is not None,
+                    "MOFED's insert",
+                )
+                assert mofed.said("Access Layer: [  OK  ]"), mofed.log.read_text()
             gpu.send("go")  # the driver's build done: its loads, mid-restart
             if agent is None:
                 row["driver_root"] = [f"at the load: {node.driver_root()}"]
-                until(lambda: _exited(gpu) is not None, "the driver container's load ended")
+                until(lambda: _load_ended(node, gpu), "the driver container's load ended")
             else:
                 agent.until(lambda: agent.hold().get("held"), "the driver container's load held")
                 row["held"] = [dict(h) for h in agent.hold()["held"]]
                 row["driver_root"] = [f"at the load: {node.driver_root()}"]
             notes: set[str] = set()  # the gate's notes while the held load goes on
-            mofed.step()  # MOFED inserts its stack, writes the flag
+            held_files: list[dict[str, Any]] = []  # the held files' verdicts, as judged
+            flagged_at = time.time()
+            if load_at != FLAG_PENDING:
+                mofed.step()  # MOFED inserts its stack
+            mofed.step()  # ... and writes its flag
             until(
                 lambda: mofed.said("Setting driver ready state") or mofed.proc.poll() is not None,
                 "MOFED ready",
@@ -480,10 +551,12 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
             row["mofed_ready"] = mofed.said("Setting driver ready state")
             if agent is None:
                 for _ in range(RESTARTS):  # CrashLoopBackOff: the kubelet starts it again
+                    if not _exited(node.gpu[-1][0]):
+                        break  # its load went on (an image built against the inbox ib_core)
                     again = node.start_gpu()
                     again.send("go")
                     until(
-                        lambda c=again: _exited(c) is not None,  # type: ignore[misc]
+                        lambda c=again: _load_ended(node, c),  # type: ignore[misc]
                         "the restarted container's load ended",
                     )
                 row["driver_root"].append(f"after the load: {node.driver_root()}")
@@ -491,28 +564,38 @@ def replay_upgrade(built: Callable[[KModule], Path], with_agent: bool) -> dict[s
 
                 def went_on() -> bool:
                     notes.update(_gate_notes(agent))
+                    for h in agent.hold().get("held_files") or []:
+                        if h not in held_files:
+                            held_files.append(h)
                     return "modprobe-rc=" in node.gpu_log() or _exited(gpu) is not None
 
                 until(went_on, "the held load went on")
                 until(
                     lambda: "Done, now waiting" in node.gpu_log() or _exited(gpu) is not None,
-                    "the driver container's _mount_rootfs",
+                    "the driver container's _mount_rootfs or its exit",
                 )
                 row["driver_root"].append(f"after the load: {node.driver_root()}")
-                # With the root mounted the gate checks the file there (the ABI preflight
-                # no longer deferred): open on MOFED's ib_core. A mount wakes no pass: the
-                # agent sees it at its next pass (an event, or the resync).
-                mounted_at = time.monotonic()
+                if "Done, now waiting" in node.gpu_log():
+                    # With the root mounted the gate checks the file there (the ABI
+                    # preflight no longer deferred): open on MOFED's ib_core. A mount wakes
+                    # no pass: the agent sees it at its next pass (an event, or the resync).
+                    mounted_at = time.monotonic()
+                    agent.until(
+                        lambda: agent.verdict("peermem") == "open" and _abi(agent).get("checked"),
+                        "the gate open, nvidia-peermem.ko checked on the mounted root",
+                    )
+                    row["abi_checked"] = _abi(agent)["checked"]
+                    row["abi_checked_after_s"] = round(time.monotonic() - mounted_at, 1)
+                # Each held open's record: written by the pass after its release.
                 agent.until(
-                    lambda: agent.verdict("peermem") == "open" and _abi(agent).get("checked"),
-                    "the gate open, nvidia-peermem.ko checked on the mounted root",
+                    lambda: (n := _held_count(agent)) > 0 and len(_held_records(agent)) >= n,
+                    "every held open's timeline record",
                 )
-                row["abi_checked"] = _abi(agent)["checked"]
-                row["abi_checked_after_s"] = round(time.monotonic() - mounted_at, 1)
-                # The held open's record: written by the pass after the release.
-                agent.until(lambda: _held_records(agent), "the held open's timeline record")
                 row["records"] = _held_records(agent)
+                row["held_files"] = held_files
                 row["gate_after_release"] = _gate_since(agent, row["records"][0]["ts"])
+                row["gate_since_flag"] = _gate_since(agent, flagged_at)
+                row["verdict_at_end"] = agent.verdict("peermem")
             logs = [node.gpu_log(i) for i in range(len(node.gpu))]
             row["failed_loads"] = sum(log.count(EINVAL_WORDS) for log in logs)
             row["container_exits"] = sum(1 for c, _ in node.gpu if _exited(c) not in (None, 0))
@@ -564,7 +647,8 @@ def replay_restart_over_peermem(
                     "MOFED's unload",
                 )
                 if mofed.said("HCA driver unloaded"):
-                    mofed.step()  # insert, flag
+                    mofed.step()  # insert
+                    mofed.step()  # flag
                     until(lambda m=mofed: m.said("Setting driver ready state"), "MOFED ready")  # type: ignore[misc]
                     break
             row["mofed_exits"] = sum(1 for m in node.mofeds if m.proc.poll() not in (None, 0))
