@@ -421,7 +421,16 @@ def test_the_agent_lists_marked_roots_and_records_them(rig: Rig, tmp_path: Path)
                 return []
 
         until(listed, "status.json does not list the root")
-        scan = json.loads(status_file.read_text())["hold"]["container_scan"]
+        # The scanner looks at once, before its subscription is answered (up to a second
+        # under load): the root may be listed while its mode still says "starting".
+        scan = until(
+            lambda: (
+                (s := json.loads(status_file.read_text())["hold"]["container_scan"])["mode"]
+                != "starting"
+                and s
+            ),
+            "the scanner never chose a mode",
+        )
         assert scan["mode"] == "exec events" or scan["mode"].startswith("polling /proc every")
         (entry,) = listed()
         dev = os.stat(f"/proc/{c.pid}/root").st_dev
