@@ -199,7 +199,21 @@ class AgentHarness:
         self.thread.start()
         if not self.agent.wait_for_passes(1, SETTLE_TIMEOUT_S):
             raise SimError("the agent did not finish its first pass")
+        self._wire()
         self._seen = self.node.world_version()
+
+    def _wire(self) -> None:
+        """What the stepped responder and scanner report wakes the agent through the fence.
+        The side built them to call its ``ctx.wake``: the agent's own poke, outside what
+        ``settle`` counts (the pass it makes may come before or after the next step), and
+        poked from this thread while the agent's may be draining it. Through the fence the
+        pass it makes is waited for; the reasons the agent records are the side's."""
+        side = self.agent.peermem_hold
+        hold, scanner = side.hold, side.containers
+        if isinstance(hold, Responder):
+            hold.on_report = lambda: self.fence.push("held open ended")
+        if scanner is not None:
+            scanner.on_report = lambda: self.fence.push("container root")
 
     def _process_started(self, _proc: object) -> None:
         scanner = self.agent.peermem_hold.containers
@@ -210,10 +224,8 @@ class AgentHarness:
         scanner = self.agent.peermem_hold.containers
         if scanner is None:
             return
-        before = scanner.reported
-        scanner.scan()
-        if scanner.reported != before:
-            self.fence.push("container root")
+        self._wire()
+        scanner.scan()  # what it reports pushes the fence (_wire)
 
     def _step_hold(self) -> bool:
         """The responder's round: events read and answered, held opens let go; whether it
@@ -222,10 +234,9 @@ class AgentHarness:
         if hold is None:
             return False
         assert isinstance(hold, Responder)  # stepped in this process, never apart
+        self._wire()
         before, unread = hold.reported, self._hold_unread()
-        hold.step()
-        if hold.reported != before:
-            self.fence.push("held open ended")
+        hold.step()  # what it reports (ended opens, a new held file) pushes the fence (_wire)
         now = self.node.sched.now()
         for _pid, _opener, _path, held_s in hold.held():
             due = round(now - held_s + hold.budget_s, 6)

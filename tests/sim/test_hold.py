@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -228,6 +229,15 @@ def test_without_the_hold_the_outputs_carry_no_hold_fields() -> None:
     assert json.dumps(doc)  # serialisable
 
 
+def _end(node: Any, harness: Any) -> None:
+    """A harness's run ended as run_scenario ends it: the agent stopped, the actors unwound."""
+    node.closed = True
+    harness.stop()
+    node.sched.close()
+    harness.join()
+    node.kernel.uevent_source.close()
+
+
 def test_a_stale_peermem_build_is_let_go_and_named_not_held_for_the_budget(
     tmp_path: Path,
 ) -> None:
@@ -286,8 +296,29 @@ def test_a_stale_peermem_build_is_let_go_and_named_not_held_for_the_budget(
         assert isinstance(out["at"], float) and out["at"] < 10.0  # not held for the budget
         assert status["hold"]["held"] == []
     finally:
-        node.closed = True
-        harness.stop()
-        node.sched.close()
-        harness.join()
-        node.kernel.uevent_source.close()
+        _end(node, harness)
+
+
+def test_the_stepped_responder_and_scanner_report_through_the_fence(tmp_path: Path) -> None:
+    """What the responder and the container scanner report (stepped in the harness's thread)
+    wakes the agent through the fence, whose passes ``settle`` waits for; not through the
+    side's ``ctx.wake`` (the agent's own poke: a pass ``settle`` does not count, poked while
+    the agent's thread may be draining it)."""
+    from nodeagent.host.events import pending
+    from nodeagent.sim.harness import AgentHarness
+    from nodeagent.sim.node import Node
+
+    node = Node(tmp_path, KVER, seed=0, mode=MODES["operator-peermem-hold"])
+    harness = AgentHarness(node)
+    harness.start()
+    try:
+        side = harness.agent.peermem_hold
+        assert side.hold is not None and side.containers is not None
+        with node.sched.world:  # no pass between the reports and the looks
+            before = harness.fence.produced
+            side.hold.on_report()
+            side.containers.on_report()
+            assert harness.fence.produced == before + 2
+            assert not pending([harness.agent.agent.poke])
+    finally:
+        _end(node, harness)

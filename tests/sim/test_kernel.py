@@ -5,18 +5,21 @@ from __future__ import annotations
 import errno
 import os
 import select
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nodeagent.agent import build_reconciler
 from nodeagent.config import Config
+from nodeagent.host.events import readable
 from nodeagent.host.fs import HostRoot
 from nodeagent.host.kmod import ModuleOpError, ModuleOps
 from nodeagent.host.modfile import read_module_file
 from nodeagent.host.observe import Observer
 from nodeagent.sim.clock import Scheduler
-from nodeagent.sim.kernel import SimKernel, VfConfig, build_id_note
+from nodeagent.sim.kernel import SimKernel, VfConfig, WakePipe, build_id_note
 from nodeagent.sim.modtree import (
     RDMA_MODULES,
     depmod,
@@ -274,3 +277,67 @@ def test_unloading_the_pf_driver_destroys_the_vfs(kernel: SimKernel) -> None:
     with pytest.raises(OSError) as err:
         kernel.write_sriov_numvfs("enp1s0f0", 2)  # no driver bound
     assert err.value.errno == errno.ENOENT
+
+
+class _SpyLock:
+    """The wake pipe's lock, telling when ``who`` found it held (or took it)."""
+
+    def __init__(self, inner: Any, who: threading.Thread, told: threading.Event) -> None:
+        self.inner, self.who, self.told = inner, who, told
+
+    def acquire(self) -> bool:
+        if threading.current_thread() is self.who:
+            if self.inner.acquire(blocking=False):
+                return True
+            self.told.set()  # it waits for the drain
+        return bool(self.inner.acquire())
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def __enter__(self) -> _SpyLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def test_a_push_while_the_agent_drains_the_wake_pipe_leaves_no_byte_without_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The harness's fence is pushed from its thread while the agent's may be draining it
+    (woken by inotify). A push between the drain's read of the pipe and its take of the
+    reasons had its reason taken and its byte left: the agent's next pass read the fence
+    as pending (its gate withdrawn, not fresh), and the drain of that byte gave no reason
+    (no pass), while ``pending`` said 0 (the harness settled): kernel-upgrade-race's held
+    load was never let go. Here the push comes at exactly that point, every time."""
+    pipe = WakePipe()
+    told = threading.Event()  # the pusher found the lock held, or pushed
+
+    def push() -> None:
+        pipe.push("simulation step")
+        told.set()
+
+    pusher = threading.Thread(target=push)
+    pipe._lock = _SpyLock(pipe._lock, pusher, told)  # type: ignore[assignment]
+    real_read = os.read
+
+    def read(fd: int, n: int) -> bytes:
+        try:
+            return real_read(fd, n)
+        except BlockingIOError:  # the drain read the pipe empty: the push comes now
+            if fd == pipe.fileno() and not pusher.is_alive() and pusher.ident is None:
+                pusher.start()
+                told.wait()
+            raise
+
+    monkeypatch.setattr(os, "read", read)
+    taken = pipe.drain()
+    pusher.join()
+    monkeypatch.setattr(os, "read", real_read)
+    # Readable exactly while a reason is pending, and a drain of it gives that reason.
+    assert bool(readable([pipe])) == (pipe.pending > 0), (taken, pipe.pending)
+    assert [*taken, *pipe.drain()] == ["simulation step"]
+    assert not readable([pipe]) and pipe.pending == 0
+    pipe.close()
