@@ -356,3 +356,24 @@ def test_a_link_where_the_opened_file_should_be_is_not_watched(tmp_path: Path) -
         assert watch.opened_at("lock") is None
     finally:
         watch.close()
+
+
+def test_a_poke_while_the_loop_drains_leaves_no_wake_without_its_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poke from another thread (the responder's reader, a worker, a timer) between the
+    drain's read of the pipe and its take of the reasons had its reason taken and its byte
+    left: the next pass found a wake pending (its decision not fresh: its open gates
+    withdrawn) and draining that byte gave no reason, so no pass followed until the next
+    event or the resync (issue 65; found by the simulator, whose wake pipe is a Poke). The
+    poke comes here at exactly that point, every time."""
+    from nodeagent.host.events import Poke, readable
+    from tests.waiting import poke_mid_drain
+
+    poke = Poke()
+    taken = poke_mid_drain(poke, lambda: poke.poke("held open ended"), monkeypatch)
+    # Readable exactly while a reason is pending, and a drain of it gives that reason.
+    assert bool(readable([poke])) == bool(poke._pending), (taken, poke._pending)
+    assert [*taken, *poke.drain()] == ["held open ended"]
+    assert not readable([poke])
+    poke.close()

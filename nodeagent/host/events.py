@@ -69,10 +69,16 @@ class Poke:
                 os.write(self._w, b"\0")
 
     def drain(self) -> list[str]:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while os.read(self._r, 4096):
-                pass
+        """The reasons poked since the last drain. The pipe is read and the reasons taken
+        under the lock a poke writes under: a poke between the two had its reason taken
+        and its byte left, so the next pass found a wake pending (its decision not fresh:
+        the gates it had decided open withdrawn) and the drain of that byte gave no reason
+        (no pass followed), until the next event or the resync (found in the simulator,
+        whose wake pipe is this one)."""
         with self._lock:
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(self._r, 4096):
+                    pass
             out, self._pending = self._pending, []
             self._taken(out)
         return out

@@ -116,14 +116,14 @@ class WakePipe(Poke):
     in the draining thread (the simulator uses it to know a pass is coming).
 
     A drain reads the pipe and takes the pending list under the lock a push writes
-    under, so the pipe is readable exactly while something is pending. ``Poke.drain``
-    reads first and takes the list after, unlocked in between: a push landing there
-    (the harness's thread, while the agent's drains after a wake by inotify) had its
-    reason taken and its byte left. The agent's next pass then read the fence as
-    pending (not fresh: its gate withdrawn, the hold closed) and the drain of that
-    byte gave no reason, so no pass followed, and ``pending`` said 0: the harness
-    settled on the gate the agent had decided open and withdrawn (a held load never
-    let go, ~1 run in 40-150 of kernel-upgrade-race in the -hold mode).
+    under (``Poke.drain``), so the pipe is readable exactly while something is
+    pending. Unlocked in between, a push landing there (the harness's thread, while
+    the agent's drains after a wake by inotify) had its reason taken and its byte
+    left: the agent's next pass read the fence as pending (not fresh: its gate
+    withdrawn, the hold closed), the drain of that byte gave no reason, so no pass
+    followed, and ``pending`` said 0: the harness settled on the gate the agent had
+    decided open and withdrawn (a held load never let go, ~1 run in 40-150 of
+    kernel-upgrade-race in the -hold mode).
     """
 
     def __init__(self) -> None:

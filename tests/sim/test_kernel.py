@@ -5,9 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import select
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,6 +24,7 @@ from nodeagent.sim.modtree import (
     install_generation,
 )
 from tests.sim.trees import KVER, NEW, OLD, gpu_tree, moddir
+from tests.waiting import poke_mid_drain
 
 
 @pytest.fixture
@@ -279,30 +278,6 @@ def test_unloading_the_pf_driver_destroys_the_vfs(kernel: SimKernel) -> None:
     assert err.value.errno == errno.ENOENT
 
 
-class _SpyLock:
-    """The wake pipe's lock, telling when ``who`` found it held (or took it)."""
-
-    def __init__(self, inner: Any, who: threading.Thread, told: threading.Event) -> None:
-        self.inner, self.who, self.told = inner, who, told
-
-    def acquire(self) -> bool:
-        if threading.current_thread() is self.who:
-            if self.inner.acquire(blocking=False):
-                return True
-            self.told.set()  # it waits for the drain
-        return bool(self.inner.acquire())
-
-    def release(self) -> None:
-        self.inner.release()
-
-    def __enter__(self) -> _SpyLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
 def test_a_push_while_the_agent_drains_the_wake_pipe_leaves_no_byte_without_its_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -313,29 +288,7 @@ def test_a_push_while_the_agent_drains_the_wake_pipe_leaves_no_byte_without_its_
     (no pass), while ``pending`` said 0 (the harness settled): kernel-upgrade-race's held
     load was never let go. Here the push comes at exactly that point, every time."""
     pipe = WakePipe()
-    told = threading.Event()  # the pusher found the lock held, or pushed
-
-    def push() -> None:
-        pipe.push("simulation step")
-        told.set()
-
-    pusher = threading.Thread(target=push)
-    pipe._lock = _SpyLock(pipe._lock, pusher, told)  # type: ignore[assignment]
-    real_read = os.read
-
-    def read(fd: int, n: int) -> bytes:
-        try:
-            return real_read(fd, n)
-        except BlockingIOError:  # the drain read the pipe empty: the push comes now
-            if fd == pipe.fileno() and not pusher.is_alive() and pusher.ident is None:
-                pusher.start()
-                told.wait()
-            raise
-
-    monkeypatch.setattr(os, "read", read)
-    taken = pipe.drain()
-    pusher.join()
-    monkeypatch.setattr(os, "read", real_read)
+    taken = poke_mid_drain(pipe, lambda: pipe.push("simulation step"), monkeypatch)
     # Readable exactly while a reason is pending, and a drain of it gives that reason.
     assert bool(readable([pipe])) == (pipe.pending > 0), (taken, pipe.pending)
     assert [*taken, *pipe.drain()] == ["simulation step"]
