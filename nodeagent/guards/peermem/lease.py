@@ -32,6 +32,7 @@ import os
 import struct
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S
@@ -39,12 +40,23 @@ from nodeagent.host.gatefile import LEASE_S, LEASE_SLACK_S
 LEASE = struct.Struct("=QdQ")  # open (0/1), until (boot-time seconds), check word
 _CHECK = 0x6E6F6465_6167656E  # "nodeagen": a torn read's check word disagrees
 TABLE_AT = 32
-TABLE = struct.Struct("=IId")  # magic, count, until (boot-time seconds)
+TABLE = struct.Struct("=IIdQ")  # magic, count, until (boot-time seconds), flags
+JUDGE_ALL = 1  # flags: a held nvidia-peermem file waits for its own verdict, gate or not
 ENTRY = struct.Struct("=QQQqI4x")  # st_dev, st_ino, size, mtime_ns, verdict
 _TABLE_MAGIC = 0x564C4448  # "HDLV"
 _DIGEST = 8
 VERDICTS_MAX = 256  # the hold's caps hold at most 256 opens
 _READ = TABLE_AT + TABLE.size + VERDICTS_MAX * ENTRY.size + _DIGEST
+
+
+@dataclass(frozen=True)
+class HeldVerdicts:
+    """What the agent said of held files: each judged one's verdict, and ``judge_all``:
+    the gate, open or not, checked no file (its root not mounted), so an open of
+    ``nvidia-peermem.ko`` is held until that file has a verdict of its own."""
+
+    files: Mapping[HeldFileKey, int] = field(default_factory=dict)
+    judge_all: bool = False
 
 
 def _check(is_open: int, until: float) -> int:
@@ -79,15 +91,18 @@ class HoldLease:
         is_open: bool,
         lease_s: float = LEASE_S,
         verdicts: Mapping[HeldFileKey, int] | None = None,
+        judge_all: bool = False,
     ) -> None:
         """The gate as of now: open for ``lease_s`` more seconds, or closed; and the
-        verdicts on held files, for as long (a file not listed goes by the gate)."""
+        verdicts on held files, for as long (a file not listed goes by the gate, unless
+        ``judge_all``: then it waits for one)."""
         now = boottime()
         until = now + lease_s if is_open else 0.0
         flag = int(is_open)
         head = LEASE.pack(flag, until, _check(flag, until)).ljust(TABLE_AT, b"\0")
         entries = list((verdicts or {}).items())[:VERDICTS_MAX]
-        table = TABLE.pack(_TABLE_MAGIC, len(entries), now + lease_s) + b"".join(
+        flags = JUDGE_ALL if judge_all else 0
+        table = TABLE.pack(_TABLE_MAGIC, len(entries), now + lease_s, flags) + b"".join(
             ENTRY.pack(*key, code) for key, code in entries
         )
         os.pwrite(self.fd, head + table + _digest(head, table), 0)
@@ -121,7 +136,7 @@ def _digest(head: bytes, table: bytes) -> bytes:
     return hashlib.blake2b(head + table, digest_size=_DIGEST).digest()
 
 
-def read_verdicts(fd: int, now: float | None = None) -> dict[HeldFileKey, int] | None:
+def read_verdicts(fd: int, now: float | None = None) -> HeldVerdicts | None:
     """The verdicts on held files, or None when there is no whole, current table (an
     older writer, a torn read twice, a stalled loop): then the gate alone decides."""
     for _ in range(2):
@@ -132,7 +147,7 @@ def read_verdicts(fd: int, now: float | None = None) -> dict[HeldFileKey, int] |
         end = TABLE_AT + TABLE.size
         if len(raw) < end + _DIGEST:
             return None
-        magic, count, until = TABLE.unpack_from(raw, TABLE_AT)
+        magic, count, until, flags = TABLE.unpack_from(raw, TABLE_AT)
         if magic != _TABLE_MAGIC or count > VERDICTS_MAX:
             return None
         stop = end + count * ENTRY.size
@@ -147,5 +162,5 @@ def read_verdicts(fd: int, now: float | None = None) -> dict[HeldFileKey, int] |
         for i in range(count):
             dev, ino, size, mtime, code = ENTRY.unpack_from(raw, end + i * ENTRY.size)
             out[(dev, ino, size, mtime)] = code
-        return out
+        return HeldVerdicts(out, bool(flags & JUDGE_ALL))
     return None

@@ -38,12 +38,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import nodeagent
-from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.adopt import Adopted, bind_adopt_socket, remove_adopt_socket
 from nodeagent.guards.peermem.budget import DescriptorBudget
 from nodeagent.guards.peermem.heldfiles import HELD_FILES_MAX, file_key
@@ -285,10 +284,10 @@ class ResponderProcess:
 
     # -- the loop's side ----------------------------------------------------------------
 
-    def follow(self, is_open: bool, verdicts: Mapping[HeldFileKey, int] | None = None) -> None:
+    def follow(self, is_open: bool, verdicts: Any = None, judge_all: bool = False) -> None:
         """The gate now (a fresh lease, or closed) and the held files' verdicts; a wake."""
         if self._lease is not None and self._lease.fd >= 0:
-            self._lease.write(is_open, verdicts=verdicts)
+            self._lease.write(is_open, verdicts=verdicts, judge_all=judge_all)
         self.wake()
 
     def held_files(self) -> list[dict[str, Any]]:

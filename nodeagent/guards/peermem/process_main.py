@@ -34,10 +34,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.budget import Caps, open_descriptors
 from nodeagent.guards.peermem.heldfiles import read_held_fd
-from nodeagent.guards.peermem.lease import read_lease, read_verdicts
+from nodeagent.guards.peermem.lease import HeldVerdicts, read_lease, read_verdicts
 from nodeagent.guards.peermem.openers import Openers
 from nodeagent.guards.peermem.responder import Responder, Rounds
 from nodeagent.host.fanotify import FanotifyGroup, IgnoreMarks
@@ -250,11 +249,11 @@ class Adoption:
         """The lease, while an agent writes it; closed while orphaned."""
         return self.responder.orphaned_at is None and read_lease(self.lease_fd)
 
-    def verdicts(self) -> dict[HeldFileKey, int] | None:
+    def verdicts(self) -> HeldVerdicts | None:
         """The verdicts on held files, while an agent writes them; none while orphaned
-        (every held file waits)."""
+        (every held file waits: the gate reads closed)."""
         if self.responder.orphaned_at is not None:
-            return {}
+            return HeldVerdicts()
         return read_verdicts(self.lease_fd)
 
     def on_life(self) -> None:

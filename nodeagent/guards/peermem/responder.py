@@ -49,6 +49,7 @@ from nodeagent.core.hold import held_open
 from nodeagent.core.snapshot import HeldFileKey
 from nodeagent.guards.peermem.budget import Caps
 from nodeagent.guards.peermem.heldfiles import ENDED, HeldFacts
+from nodeagent.guards.peermem.lease import HeldVerdicts
 from nodeagent.guards.peermem.openers import (
     Openers,
     is_loader,
@@ -104,7 +105,7 @@ class Responder:
         *,
         gate_open: Callable[[], bool],
         budget_s: float,
-        verdicts: Callable[[], Mapping[HeldFileKey, int] | None] | None = None,
+        verdicts: Callable[[], HeldVerdicts | None] | None = None,
         openers: Openers | None = None,
         caps: Caps | None = None,
         rounds: Rounds | None = None,
@@ -135,8 +136,7 @@ class Responder:
         self.container_of = o.container_of or (lambda pid: mount_namespace(pid, proc))
         self.path_of = o.path_of
         self.verdicts = verdicts or (lambda: None)
-        self.facts = HeldFacts(o.facts_of)  # held nvidia-peermem files', for the agent
-        self.files_changed = 0  # bumped when the set of held files changes
+        self.facts, self.files_changed = HeldFacts(o.facts_of), 0  # held files: a change bumps
         self.on_report = r.on_report
         self.held_per_container = c.held_per_container
         self.held_total = c.held_total
@@ -183,7 +183,7 @@ class Responder:
         """Answer in the calling thread until stopped (the responder's own process)."""
         self._run()
 
-    def follow(self, is_open: bool, verdicts: Mapping[HeldFileKey, int] | None = None) -> None:
+    def follow(self, is_open: bool, verdicts: object = None, judge_all: bool = False) -> None:
         """The gate changed, or its decision was renewed (``gate_open`` and ``verdicts``
         read them)."""
         self.wake()
@@ -208,8 +208,7 @@ class Responder:
         return None  # its held opens' descriptors are the agent's own
 
     def held_files(self) -> list[dict[str, Any]]:
-        """What the gate judges of each distinct nvidia-peermem file held now (at most
-        ``HELD_FILES_MAX``; ``heldfiles.read_held_fd``'s form)."""
+        """What the gate judges of each nvidia-peermem file held now (``read_held_fd``'s)."""
         with self._lock:
             return self.facts.described(h.file for h in self._held)
 
@@ -392,7 +391,7 @@ class Responder:
             self._allow(event)
             return
         loader, name = self.loader_of(event.pid)
-        if not loader or self.gate_open():
+        if not loader or (self.gate_open() and not self._judge_all(path)):
             self._allow(event)
             return
         # Only an opener that can load a module is held: no other can spend the caps, nor
@@ -428,6 +427,11 @@ class Responder:
         self._answering = None  # held: answered by _release
         self.counts["held"] += 1
 
+    def _judge_all(self, path: str) -> bool:
+        """An open gate that checked no file: an open of nvidia-peermem.ko waits for its own."""
+        verdicts = self.verdicts() if held_open(path) == "nvidia-peermem" else None
+        return verdicts is not None and verdicts.judge_all
+
     def _read_facts(self, held: _Held) -> None:
         """What the gate judges of the held file, read from the event's descriptor (once
         per identity while held); the agent hears of a new file at its next report."""
@@ -446,10 +450,8 @@ class Responder:
             self.on_report()
 
     def _release(self, stopping: bool = False) -> None:
-        """Answer held opens whose file's verdict or gate opened, budget ran out, or opener
-        went away. A held nvidia-peermem file the agent judged goes by its own verdict
-        (``GO``: gate opened, ``REBUILD``: let go, ``WAIT``: held, gate or not); one not
-        judged (yet) by the gate."""
+        """Answer held opens whose file's verdict (``GO``, ``REBUILD``; ``WAIT`` holds it
+        whatever the gate) or gate opened, budget ran out, or opener went away."""
         if not self._held:  # (changed in this thread only)
             return
         with self._lock:
@@ -457,17 +459,19 @@ class Responder:
                 return
             is_open = self.gate_open()
             verdicts = self.verdicts() if any(h.file for h in self._held) else None
+            files = verdicts.files if verdicts is not None else {}
+            judge_all = verdicts is not None and verdicts.judge_all
             now = self.clock()
             keep: list[_Held] = []
             done: list[tuple[_Held, str]] = []
             for h in self._held:
-                code = verdicts.get(h.file) if verdicts is not None and h.file else None
+                code = files.get(h.file) if h.file else None
                 if stopping:
                     done.append((h, "responder stopped"))
                 elif code in ENDED:
                     done.append((h, ENDED[code]))
-                elif is_open and code is None:  # (not judged: the gate decides)
-                    done.append((h, "gate opened"))
+                elif is_open and code is None and not (judge_all and h.file):
+                    done.append((h, "gate opened"))  # (not judged: the gate decides)
                 elif now - h.began >= self.budget_s:
                     done.append((h, "budget expired"))
                 elif not os.path.exists(f"{self.proc}/{h.event.pid}"):

@@ -75,6 +75,9 @@ class PeermemHold(HoldStarts, GuardSide):
         # each file's reason,
         # for the record of its open when it ends, and status.
         self.verdicts: dict[HeldFileKey, int] = {}
+        # The gate checked no file (its root not mounted): a held nvidia-peermem file waits
+        # for its own verdict, gate or not (an open of one is held to be judged).
+        self.judge_all = False
         self.reasons: dict[HeldFileKey, str] = {}
         self.held_judged: list[dict[str, Any]] = []
         self.unlimited_queue = True  # the group's queue (bounded: an overflow lets opens go)
@@ -199,7 +202,8 @@ class PeermemHold(HoldStarts, GuardSide):
         help (a load the kernel refuses either way)."""
         vouched = vouches()
         self.release = bool(verdict.evidence.get("release_held")) and vouched
-        self._follow(published or self.release, self._verdicts_of(verdict, vouched))
+        judge_all = bool((verdict.evidence.get("abi") or {}).get("deferred"))
+        self._follow(published or self.release, self._verdicts_of(verdict, vouched), judge_all)
         if self.unclean_end:
             self.unclean_end = False
             self.ctx.record(
@@ -229,7 +233,8 @@ class PeermemHold(HoldStarts, GuardSide):
         if self.hold is None or not (self.gate_open or self.verdicts):
             return
         vouched = vouches()
-        self._follow(published or (self.release and vouched), self.verdicts if vouched else {})
+        again = published or (self.release and vouched)
+        self._follow(again, self.verdicts if vouched else {}, self.judge_all)
 
     def status(self) -> Any:
         if self.hold is None:
@@ -292,29 +297,38 @@ class PeermemHold(HoldStarts, GuardSide):
             self.reasons = dict(list(self.reasons.items())[-HELD_FILES_MAX:])
         return out
 
-    def _follow(self, is_open: bool, verdicts: dict[HeldFileKey, int] | None = None) -> None:
+    def _follow(
+        self,
+        is_open: bool,
+        verdicts: dict[HeldFileKey, int] | None = None,
+        judge_all: bool | None = None,
+    ) -> None:
         """Tell the responder the gate and the verdicts on held files: at a change, and
         while either stands at every pass and beat (the process apart reads a lease that
         runs out without them). Without one (a new one starting), they are kept for it:
         adopted, it is told them then."""
         verdicts = verdicts or {}
+        judge = self.judge_all if judge_all is None else judge_all
         if self.hold is None:
-            self.gate_open, self.verdicts = is_open, verdicts
+            self.gate_open, self.verdicts, self.judge_all = is_open, verdicts, judge
             return
         if not (is_open or self.gate_open or verdicts or self.verdicts):
+            self.judge_all = judge
             return  # closed, and it was: nothing to tell
         # Narrowing (the gate closing, a verdict withdrawn), the responder's lease first:
         # whoever sees the flags narrowed finds the lease so (a load started then is held).
         # Widening, the flags first: a thread responder reads them when follow wakes it.
-        narrowing = (self.gate_open and not is_open) or any(
-            verdicts.get(k) != v for k, v in self.verdicts.items()
+        narrowing = (
+            (self.gate_open and not is_open)
+            or (judge and not self.judge_all)
+            or any(verdicts.get(k) != v for k, v in self.verdicts.items())
         )
         if narrowing:
-            self.hold.follow(is_open, verdicts)
-            self.gate_open, self.verdicts = is_open, verdicts
+            self.hold.follow(is_open, verdicts, judge)
+            self.gate_open, self.verdicts, self.judge_all = is_open, verdicts, judge
         else:
-            self.gate_open, self.verdicts = is_open, verdicts
-            self.hold.follow(is_open, verdicts)
+            self.gate_open, self.verdicts, self.judge_all = is_open, verdicts, judge
+            self.hold.follow(is_open, verdicts, judge)
 
     def _replace_dead_responder(self) -> None:
         """A responder process that died: its pending opens went when the agent closed its

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from nodeagent.core.guard import backoff_delay
 from nodeagent.core.snapshot import HeldFileKey
+from nodeagent.guards.peermem.lease import HeldVerdicts
 from nodeagent.guards.peermem.restarts import Replacement, Started
 from nodeagent.guards.side import SideContext
 
@@ -44,6 +45,7 @@ class HoldStarts:
     since: float | None
     gate_open: bool
     verdicts: dict[HeldFileKey, int]
+    judge_all: bool
     unlimited_queue: bool
     replacement: Replacement | None
     start_failures: int
@@ -100,7 +102,7 @@ class HoldStarts:
             group.mark_filesystem,  # (marked already: marking again changes nothing)
             [(r, str(ctx.host.path(r))) for r in pol.hold_roots],
             gate_open=lambda: self.gate_open,
-            verdicts=lambda: self.verdicts,
+            verdicts=lambda: HeldVerdicts(self.verdicts, self.judge_all),
             budget_s=pol.hold_budget_s,
             host_pids=host.host_pids(),
             containers=bool(pol.hold_containers),
@@ -238,7 +240,7 @@ class HoldStarts:
                     group.mark_filesystem,
                     roots,
                     gate_open=lambda: self.gate_open,
-                    verdicts=lambda: self.verdicts,
+                    verdicts=lambda: HeldVerdicts(self.verdicts, self.judge_all),
                     budget_s=pol.hold_budget_s,
                     host_pids=host_pids,
                     containers=bool(pol.hold_containers),
@@ -270,7 +272,7 @@ class HoldStarts:
         if any(name not in marked for name in pol.hold_roots):  # tried again (_mark_roots)
             self._mark_failed()
         # A new responder starts closed: tell it the gate, and the verdicts on held files.
-        self.hold.follow(self.gate_open, self.verdicts)
+        self.hold.follow(self.gate_open, self.verdicts, self.judge_all)
         self.since = ctx.clock()
         budget = self.hold.descriptors
         ctx.record(

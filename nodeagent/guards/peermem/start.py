@@ -26,7 +26,7 @@ from nodeagent.guards.peermem.adopt import (
     socket_path,
 )
 from nodeagent.guards.peermem.budget import Caps, DescriptorBudget, descriptor_budget
-from nodeagent.guards.peermem.lease import HoldLease
+from nodeagent.guards.peermem.lease import HeldVerdicts, HoldLease
 from nodeagent.guards.peermem.openers import Openers, event_path
 from nodeagent.guards.peermem.process import ResponderProcess
 from nodeagent.guards.peermem.reports import HoldReport
@@ -83,8 +83,14 @@ class HoldResponder(Protocol):
 
     def alive(self) -> bool: ...
 
-    def follow(self, is_open: bool, verdicts: Mapping[HeldFileKey, int] | None = None) -> None:
-        """The gate now, and the verdicts on held files (a file not listed goes by the gate)."""
+    def follow(
+        self,
+        is_open: bool,
+        verdicts: Mapping[HeldFileKey, int] | None = None,
+        judge_all: bool = False,
+    ) -> None:
+        """The gate now, and the verdicts on held files (a file not listed goes by the
+        gate, unless ``judge_all``: it waits for one)."""
         ...
 
     def held_files(self) -> list[dict[str, Any]]:
@@ -155,7 +161,7 @@ def start_hold(
     gate_open: Callable[[], bool],
     budget_s: float,
     host_pids: bool,
-    verdicts: Callable[[], Mapping[HeldFileKey, int] | None] | None = None,
+    verdicts: Callable[[], HeldVerdicts | None] | None = None,
     containers: bool = False,
     on_report: Callable[[], None] = lambda: None,
     host: HoldHost | None = None,

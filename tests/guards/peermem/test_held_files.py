@@ -20,6 +20,7 @@ from nodeagent.guards.peermem.heldfiles import (
 from nodeagent.guards.peermem.lease import (
     LEASE,
     TABLE_AT,
+    HeldVerdicts,
     HoldLease,
     boottime,
     read_lease,
@@ -107,12 +108,13 @@ def _table_bytes(fd: int) -> bytes:
 def test_the_verdicts_read_back_whole_with_their_gate() -> None:
     lease = HoldLease()
     try:
-        assert read_verdicts(lease.fd) == {}  # a new lease: closed, none judged
+        assert read_verdicts(lease.fd) == HeldVerdicts()  # a new lease: closed, none judged
         verdicts = {(1, 2, 3, 4): GO, (5, 6, 7, 8): REBUILD, (9, 9, 9, 9): WAIT}
         lease.write(False, verdicts=verdicts)
-        assert read_lease(lease.fd) is False and read_verdicts(lease.fd) == verdicts
-        lease.write(True, verdicts={(1, 2, 3, 4): GO})
-        assert read_lease(lease.fd) is True and read_verdicts(lease.fd) == {(1, 2, 3, 4): GO}
+        assert read_lease(lease.fd) is False and read_verdicts(lease.fd) == HeldVerdicts(verdicts)
+        lease.write(True, verdicts={(1, 2, 3, 4): GO}, judge_all=True)
+        got = read_verdicts(lease.fd)
+        assert read_lease(lease.fd) is True and got == HeldVerdicts({(1, 2, 3, 4): GO}, True)
     finally:
         lease.close()
 
@@ -134,6 +136,6 @@ def test_a_torn_stale_or_foreign_table_is_no_verdict_at_all() -> None:
         # Stale: written long ago (a stalled loop renews nothing).
         os.pwrite(lease.fd, good, 0)
         assert read_verdicts(lease.fd, now=boottime() + 60) is None
-        assert read_verdicts(lease.fd) == {(1, 2, 3, 4): GO}
+        assert read_verdicts(lease.fd) == HeldVerdicts({(1, 2, 3, 4): GO})
     finally:
         lease.close()

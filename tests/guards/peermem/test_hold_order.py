@@ -32,9 +32,9 @@ def test_the_responder_lease_closes_before_the_gate_file_goes(tmp_path: Path, wh
         told: list[tuple[bool, bool]] = []  # (what the responder was told, gate file there)
         follow = side.hold.follow
 
-        def recording(is_open: bool, verdicts: Any = None) -> None:
+        def recording(is_open: bool, verdicts: Any = None, judge_all: bool = False) -> None:
             told.append((is_open, (tmp_path / GATE).exists()))
-            follow(is_open, verdicts)
+            follow(is_open, verdicts, judge_all)
 
         side.hold.follow = recording
         if why == "ready flag removed":

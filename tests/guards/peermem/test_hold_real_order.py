@@ -80,16 +80,19 @@ def _image(tmp_path: Path, host: Path, modprobe: str, crc_off: bool) -> tuple[Pa
     return lower, ko.read_bytes()
 
 
-def _run(tmp_path: Path, crc_off: bool) -> tuple[dict[str, Any], dict[str, Any], bytes, bytes]:
-    """The held load from MOFED mid-restart to its end; (its record, the held file's
-    verdict while held, what the loader read, the image's bytes)."""
+def _run(
+    tmp_path: Path, crc_off: bool, ready: bool = False
+) -> tuple[dict[str, Any], dict[str, Any] | None, bytes, bytes]:
+    """The held load from MOFED mid-restart (or, ``ready``, MOFED ready from the start: the
+    gate open, its file check deferred) to its end; (its record, the held file's verdict
+    while held: None when ``ready``, what the loader read, the image's bytes)."""
     from nodeagent.agent import Agent
     from nodeagent.config import Config
     from nodeagent.core.peermem import PeermemPolicy
     from nodeagent.guards.peermem.side import PeermemHold
 
     host = tmp_path / "host"
-    node = healthy_node(host, ready=False)  # MOFED mid-restart: its ready flag absent
+    node = healthy_node(host, ready=ready)  # not ready: MOFED mid-restart, no ready flag
     modprobe = fake_modprobe(tmp_path)
     lower, image_ko = _image(tmp_path, host, modprobe, crc_off)
     driver = host / "run/nvidia/driver"
@@ -114,14 +117,16 @@ def _run(tmp_path: Path, crc_off: bool) -> tuple[dict[str, Any], dict[str, Any],
         loader = subprocess.Popen(
             container.enter(modprobe, PEERMEM_IN_IMAGE), stdout=subprocess.PIPE
         )
-        until(lambda: loader.pid in held_pids(side), "the container's load was not held")
-        waiting = until(lambda: hold_status(host).get("held_files"), "the held file not judged")
-        assert loader.poll() is None
-        node.write(READY)  # MOFED ready, its stack final: the held file's own verdict
+        waiting = None
+        if not ready:
+            until(lambda: loader.pid in held_pids(side), "the container's load was not held")
+            waiting = until(lambda: hold_status(host).get("held_files"), "not judged")
+            assert loader.poll() is None
+            node.write(READY)  # MOFED ready, its stack final: the held file's own verdict
         out, _ = loader.communicate(timeout=WAIT)
         assert loader.returncode == 0
         (record,) = until(lambda: recorded(host, "held-open"), "the held open was not recorded")
-        return record, waiting[0], out, image_ko
+        return record, waiting[0] if waiting else None, out, image_ko
     finally:
         if loader is not None and loader.poll() is None:
             loader.kill()
@@ -137,7 +142,9 @@ def test_the_containers_load_held_mid_restart_goes_on_at_the_ready_flag(
     machine: None, tmp_path: Path
 ) -> None:
     record, waiting, out, image_ko = _run(tmp_path, crc_off=False)
-    assert waiting["verdict"] == "wait" and "ready flag" in waiting["reason"]
+    assert (
+        waiting is not None and waiting["verdict"] == "wait" and "ready flag" in waiting["reason"]
+    )
     assert waiting["path"].endswith(PEERMEM_IN_IMAGE)  # as the responder names it
     assert out == image_ko  # the bytes the loader read are the image's, held and let go
     assert record["ended"] == "gate opened" and record["seconds"] < BUDGET_S
@@ -148,10 +155,26 @@ def test_a_held_file_built_against_another_ib_core_is_let_go_naming_the_symbol(
     machine: None, tmp_path: Path
 ) -> None:
     record, waiting, out, image_ko = _run(tmp_path, crc_off=True)
-    assert waiting["verdict"] == "wait"
+    assert waiting is not None and waiting["verdict"] == "wait"
     assert out == image_ko
     assert record["ended"] == "rebuild" and record["seconds"] < BUDGET_S
     why = record["why"]
     assert f"needs {SYM} CRC" in why and "but the loaded ib_core exports" in why
     crcs = [w for w in why.replace(",", " ").split() if w.startswith("0x")]
     assert len(crcs) == 2 and crcs[0] != crcs[1], why
+
+
+@pytest.mark.parametrize("crc_off", [False, True], ids=["agrees", "another-ib_core"])
+def test_with_the_gate_open_and_no_file_checked_the_containers_load_waits_for_its_verdict(
+    machine: None, tmp_path: Path, crc_off: bool
+) -> None:
+    """MOFED ready all along, the host's driver root empty: the gate is open with its file
+    check deferred, so it vouches for no file. The container's open of nvidia-peermem.ko
+    is held until that file has its own verdict (the seeds' order: modprobe opens the peer
+    module after its dependency was let go at the flag, the gate open by then)."""
+    record, _, out, image_ko = _run(tmp_path, crc_off=crc_off, ready=True)
+    assert out == image_ko
+    if crc_off:
+        assert record["ended"] == "rebuild" and f"needs {SYM} CRC" in record["why"]
+    else:
+        assert record["ended"] == "gate opened" and "agrees with it" in record["why"]
