@@ -14,7 +14,9 @@ test_hold_real_order.py`` is the same on this machine's kernel with a fake modpr
   ``nvidia-peermem.ko`` alone, held with the gate closed until its verdict. In the seeds'
   order (the load after MOFED's unload) ``modprobe`` opens the image's ``ib_core.ko``
   first, held until the gate opens, and its open of ``nvidia-peermem.ko`` comes with the
-  gate open: answered at once, never judged (``test_seeds_real.py``'s row).
+  gate open: the first test asks that this open, too, be let go by its own verdict
+  (``rebuild``), as ``test_seeds_real.py`` asks it for the go verdict (both fail at
+  246b308: answered at once, never judged).
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ def _assert_let_go_for_a_rebuild(row: dict[str, Any]) -> None:
         "gate_since_flag"
     ]
     assert row["agent_exit"] == 0, row["agent_log_tail"]
+
+
+def test_seeds_order_a_peermem_built_against_the_inbox_ib_core_is_let_go_for_a_rebuild(
+    built_modules: Callable[[KModule], Path],
+) -> None:
+    row = replay_upgrade(built_modules, with_agent=True, built_against="inbox")
+    print(json.dumps(row, indent=1))
+    ib_core = [r for r in row["records"] if str(r.get("path")).endswith("/ib_core.ko")]
+    assert [r["ended"] for r in ib_core] == ["gate opened"], row["records"]
+    _assert_let_go_for_a_rebuild(row)
 
 
 def test_flag_pending_a_held_peermem_built_against_mofeds_ib_core_goes_on_at_the_flag(

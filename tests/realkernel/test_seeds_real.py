@@ -19,6 +19,7 @@ from tests.realkernel.replay_upgrade import (
     BUILDS,
     EINVAL_WORDS,
     PEER_SYM,
+    peermem_records,
     replay_restart_over_peermem,
     replay_upgrade,
 )
@@ -89,6 +90,12 @@ def test_kernel_upgrade_race_with_the_agent_the_load_waits_and_goes_on(
     assert held["opener"] == "modprobe", row["held"]
     assert held["path"].endswith(("/ib_core.ko", "/nvidia-peermem.ko")), row["held"]
     assert any(r.get("ended") == "gate opened" for r in row["records"]), row["records"]
+    # The real modprobe opens the image's inbox ib_core.ko first (no ib_core is loaded
+    # then): held, it goes by the gate (no verdict of its own, no why). Its open of the
+    # real nvidia-peermem.ko, built against MOFED's ib_core, goes on by its own verdict.
+    (peer,) = peermem_records(row)
+    assert peer["ended"] == "gate opened", row["records"]
+    assert "agrees with it" in str(peer.get("why")), row["records"]
     # nvidia-driver init's order: /run/nvidia/driver empty while the held load waits (the
     # gate opens at MOFED's flag without the file), the container's root there once its
     # load returned (_mount_rootfs), unmounted at its stop (_shutdown).
