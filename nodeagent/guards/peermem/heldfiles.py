@@ -132,13 +132,10 @@ def _text(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> str | 
 
 
 def _key(value: Any) -> HeldFileKey:
-    if (
-        not isinstance(value, list)
-        or len(value) != 4
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
-    ):
+    key = file_key(value)
+    if key is None or min(key) < 0:
         raise ValueError("file is not [st_dev, st_ino, size, mtime_ns]")
-    return (value[0], value[1], value[2], value[3])
+    return key
 
 
 def held_module(doc: Any) -> HeldModule | None:
